@@ -1,0 +1,261 @@
+"""The step-level engine: ``add_request``, ``abort``, ``step``.
+
+One ``step()`` = schedule → one forward → sample → update → detokenize. Finished requests leave
+their seat and free their blocks inside the step that finishes them; waiting requests take those
+seats in the next step. Not thread-safe: ``replica.async_engine`` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from cluster.config import EngineConfig
+from replica.block_manager import BlockManager
+from replica.detokenizer import IncrementalDetokenizer
+from replica.model_loader import load_tokenizer, resolve_model_path
+from replica.model_runner import ModelRunner
+from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
+from replica.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load (what the router and the metrics read)."""
+
+    num_slots: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def slot_utilization(self) -> float:
+        return self.num_running / self.num_slots
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache for one transformers model.
+
+    Args:
+        config: an :class:`~cluster.config.EngineConfig` (or its fields as keyword arguments).
+
+    Raises:
+        ValueError: a setting cannot work with this model (e.g. ``max_model_len`` beyond the
+            KV pool or the model's context length).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        self.config = config or EngineConfig(**kwargs)
+        cfg = self.config
+        model_path = resolve_model_path(cfg.model)
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path, cfg.tokenizer)
+        self.runner = ModelRunner(
+            model_path,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            kv_cache_memory=cfg.kv_cache_memory,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
+        pool_tokens = self.runner.num_blocks * cfg.block_size
+        context = self.runner.shape.max_position_embeddings or pool_tokens
+        self.max_model_len = cfg.max_model_len or min(context, pool_tokens)
+        if self.max_model_len > pool_tokens:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV pool ({self.runner.num_blocks} blocks "
+                f"× {cfg.block_size} = {pool_tokens} tokens); raise kv_cache_memory/num_blocks or lower max_model_len"
+            )
+        if self.max_model_len > context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {context}")
+        window = getattr(self.runner.shape, "sliding_window", None)
+        if window:
+            raise ValueError("sliding-window attention models are not supported yet")
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=cfg.scheduling_policy,
+        )
+        self.vocab_size = self.runner.model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = self._eos_token_ids()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        generation_config = getattr(self.runner.model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and build a :class:`Request` without touching engine state (thread-safe).
+
+        Raises:
+            ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id
+                outside the vocabulary, ``prompt`` too long for ``max_model_len``, bad
+                ``sampling_params``.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        prompt_token_ids = list(prompt_token_ids)
+        for token_id in prompt_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"prompt_token_ids holds {token_id!r}, outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt + output tokens), so the prompt must be shorter"
+            )
+        return Request(
+            request_id=str(request_id) if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate (see :meth:`make_request`) and queue a request; returns it."""
+        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        self.add_prepared_request(request)
+        return request
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a request built by :meth:`make_request`. Raises ``ValueError`` on a duplicate id."""
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Abort a waiting or running request; its seat and blocks are free on return.
+
+        Returns its final output (``finish_reason="abort"``), or None if it is unknown or done.
+        """
+        request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        if request is None:
+            return None
+        request.finished_time = time.monotonic()
+        self._detokenizers.pop(request_id, None)
+        return self._output(request, [], "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one iteration; return a delta for every request that produced a token."""
+        out = self.scheduler.schedule()
+        self.last_step_output = out
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for sched in out.scheduled:
+            if sched.request.first_scheduled_time is None:
+                sched.request.first_scheduled_time = now
+        result = self.runner.execute(out)
+        logprobs_of = {
+            id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
+        }
+        produced = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        now = time.monotonic()
+        outputs = []
+        for request in produced:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            token_id = request.output_token_ids[-1]
+            detokenizer = self._detokenizers[request.request_id]
+            update = detokenizer.update([token_id], finished=request.is_finished)
+            if update.stop_string is not None:
+                if request.is_finished:
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
+                else:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
+            if request.is_finished:
+                request.finished_time = now
+                self._detokenizers.pop(request.request_id, None)
+            lp = logprobs_of.get(id(request))
+            outputs.append(self._output(request, [token_id], update.delta_text, [lp] if lp else None))
+        return outputs
+
+    def _output(
+        self, request: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None
+    ) -> StepOutput:
+        reason = request.finish_reason
+        return StepOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    # ---- state -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_slots=self.scheduler.max_num_seqs,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.step_count,
+        )
+
+    def check_integrity(self) -> None:
+        """Block accounting holds, and every block's owner is a live request (``AssertionError`` otherwise)."""
+        self.block_manager.check_integrity()
+        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        leaked = set(self.block_manager.owners()) - live
+        if leaked:
+            raise AssertionError(f"blocks held by finished requests: {sorted(leaked)}")

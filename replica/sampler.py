@@ -1,0 +1,283 @@
+"""Turn one step's logits into one token per row, vectorized over the batch.
+
+The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
+
+1. **Penalties** (:func:`apply_penalties`), only on the rows that ask for them:
+   repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858, with Hugging Face's sign rule:
+   over prompt + output tokens, a positive logit is divided by the penalty, a negative one
+   multiplied), then OpenAI's frequency and presence penalties over the *output* tokens only
+   (``logit -= frequency * count + presence * (count > 0)``). Same order as vLLM.
+2. **min_tokens** (:func:`apply_min_tokens`): EOS (unless ``ignore_eos``) and ``stop_token_ids``
+   get ``-inf`` while fewer than ``min_tokens`` tokens have been generated.
+3. **Greedy rows** (``temperature == 0``): ``torch.argmax`` of these logits, exactly what
+   ``transformers``' greedy ``generate`` picks (it also applies its repetition penalty first).
+4. **Random rows**: divide by the temperature, then truncate in Hugging Face's order: top-k,
+   top-p (nucleus sampling, Holtzman et al. 2019, arXiv:1904.09751), min-p (Nguyen et al. 2024,
+   arXiv:2407.01082). Then sample with the *exponential race* that vLLM's sampler uses:
+   ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with
+   probability ``probs[i]`` (it is the Gumbel-max trick in disguise) and needs no CPU sync.
+   A seeded request draws its ``q`` only from its own ``torch.Generator``, so its samples do not
+   depend on its batch mates or its row index; unseeded rows share one draw from the default
+   generator.
+5. **Logprobs** (rows that ask): log-softmax of the *raw* logits (before penalties and
+   temperature, as vLLM reports them), the sampled token's logprob and rank, and the top ``k``.
+
+Python loops run over rows only (a few hundred at most), never over the vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from replica.request import Request, TokenLogprobs
+
+__all__ = ["Sampler", "SamplerOutput", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p"]
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and its logprobs where the request asked for them."""
+
+    token_ids: list[int]  # [num_rows]
+    logprobs: list[TokenLogprobs | None]  # [num_rows]; None where sampling_params.logprobs is None
+
+
+def _needs_penalties(request: Request) -> bool:
+    p = request.sampling_params
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties in place; return ``logits``.
+
+    Args:
+        logits: ``[num_rows, V]`` float tensor; row ``i`` belongs to ``requests[i]``. Modified in
+            place (only the rows whose request has a penalty set).
+        requests: the rows' requests; ``prompt_token_ids`` and ``output_token_ids`` (tokens
+            generated before this step) are read.
+
+    Semantics per penalized row, in this order (as vLLM):
+        * repetition (CTRL / HF): for every token in prompt + output,
+          ``logit / r`` if ``logit > 0`` else ``logit * r``;
+        * frequency / presence (OpenAI): ``logit -= f * count + p * (count > 0)``, where
+          ``count[t]`` is how often ``t`` occurs in the *output* tokens.
+    """
+    rows = [i for i, r in enumerate(requests) if _needs_penalties(r)]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    device = logits.device
+    reqs = [requests[i] for i in rows]
+    row_index = torch.tensor(rows, device=device)
+    sub = logits.index_select(0, row_index)  # [n, V]
+    n = len(reqs)
+
+    def occurrences(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) index pairs of all tokens in ``token_lists``, flattened."""
+        lengths = torch.tensor([len(t) for t in token_lists], device=device)
+        rows_ = torch.repeat_interleave(torch.arange(n, device=device), lengths)
+        tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+        return rows_, tokens
+
+    # Repetition penalty over prompt + output tokens (rows with r == 1 are left as they are).
+    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)
+    if bool((rep != 1.0).any()):
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+        seen[occurrences([r.prompt_token_ids + r.output_token_ids for r in reqs])] = True
+        r_col = rep.unsqueeze(1)
+        penalized = torch.where(sub > 0, sub / r_col, sub * r_col)
+        sub = torch.where(seen, penalized, sub)
+
+    # Frequency and presence penalties over output tokens only.
+    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)
+    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)
+    if bool((freq != 0).any() or (pres != 0).any()):
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        row_ids, token_ids = occurrences([r.output_token_ids for r in reqs])
+        counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
+        sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).float()
+
+    logits.index_copy_(0, row_index, sub.to(logits.dtype))
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Mask EOS and stop token ids to ``-inf`` while ``len(output) < min_tokens``; in place.
+
+    Args:
+        logits: ``[num_rows, V]``; row ``i`` belongs to ``requests[i]``.
+    EOS ids (``request.eos_token_ids``) are not masked when ``ignore_eos`` is set (they cannot end
+    the request anyway); ``stop_token_ids`` always are.
+    """
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    vocab = logits.shape[-1]
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if len(r.output_token_ids) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            banned.update(r.eos_token_ids)
+        banned = [t for t in banned if t < vocab]
+        row_ids.extend([i] * len(banned))
+        token_ids.extend(banned)
+    if row_ids:
+        logits[torch.tensor(row_ids, device=logits.device), torch.tensor(token_ids, device=logits.device)] = -math.inf
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask tokens outside the top-k and outside the nucleus to ``-inf``.
+
+    Args:
+        logits: ``[n, V]`` temperature-scaled logits (not modified).
+        top_k: ``[n]`` long, ``1..V`` (``V`` = disabled for that row), or None for none.
+        top_p: ``[n]`` float in ``(0, 1]`` (1 = disabled), or None for none.
+    Returns:
+        ``[n, V]`` new tensor. Top-k keeps every token whose logit is >= the k-th largest (ties
+        kept). Top-p (Holtzman et al. 2019) then keeps the smallest set of most likely tokens
+        whose renormalized probability mass reaches ``p``, always at least one (as HF and vLLM:
+        drop the ascending-sorted prefix whose cumulative mass is <= ``1 - p``).
+    """
+    if top_k is None and top_p is None:
+        return logits
+    if top_p is None:
+        # Top-k alone: a partial topk is cheaper than a full sort.
+        top_values = logits.topk(int(top_k.max()), dim=-1).values  # [n, max_k], descending
+        kth = top_values.gather(1, (top_k - 1).unsqueeze(1))  # [n, 1]
+        return logits.masked_fill(logits < kth, -math.inf)
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum_probs <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits.masked_fill_(drop, -math.inf)
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p sampling (Nguyen et al. 2024, arXiv:2407.01082): drop tokens with ``p < min_p * p_max``.
+
+    Args:
+        logits: ``[n, V]`` temperature-scaled logits (not modified).
+        min_p: ``[n]`` in ``[0, 1]`` (0 = disabled).
+    Works in logit space: ``p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)``, which
+    also makes it independent of any earlier renormalization by top-k / top-p.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)  # log(0) = -inf
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+class Sampler:
+    """Sample one token per row of a step's logits (see the module docstring for the pipeline)."""
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """Sample.
+
+        Args:
+            logits: ``[num_rows, V]``, any float dtype; row ``i`` belongs to ``requests[i]``.
+                Not modified.
+            requests: the rows' requests (``sampling_params``, ``prompt_token_ids``,
+                ``output_token_ids`` before this sample, ``generator``, ``eos_token_ids``).
+        Returns:
+            :class:`SamplerOutput` with ``num_rows`` token ids and logprobs entries.
+        """
+        num_rows, vocab = logits.shape
+        assert num_rows == len(requests), f"{num_rows} logit rows for {len(requests)} requests"
+        device = logits.device
+        raw = logits.float()
+        work = raw
+        needs_copy = any(
+            _needs_penalties(r) or len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests
+        )
+        if needs_copy:
+            work = raw.clone()  # raw stays untouched for logprobs
+            apply_penalties(work, requests)
+            apply_min_tokens(work, requests)
+
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=device)
+            token_ids[index] = work.index_select(0, index).argmax(dim=-1)
+        if random_rows:
+            index = torch.tensor(random_rows, device=device)
+            token_ids[index] = self._sample_random(work.index_select(0, index), [requests[i] for i in random_rows])
+
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids, token_list))
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: ``[n, V]``."""
+        n, vocab = logits.shape
+        device = logits.device
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        logits = logits / temperature.unsqueeze(1)
+
+        # Truncation: only on the rows that ask for it.
+        trunc_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
+        if trunc_rows:
+            index = torch.tensor(trunc_rows, device=device)
+            sub = logits.index_select(0, index)
+            sub_params = [params[j] for j in trunc_rows]
+            top_k = top_p = None
+            if any(0 < p.top_k < vocab for p in sub_params):
+                top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in sub_params], device=device)
+            if any(p.top_p < 1.0 for p in sub_params):
+                top_p = torch.tensor([p.top_p for p in sub_params], dtype=torch.float32, device=device)
+            sub = apply_top_k_top_p(sub, top_k, top_p)
+            if any(p.min_p > 0.0 for p in sub_params):
+                sub = apply_min_p(sub, torch.tensor([p.min_p for p in sub_params], dtype=torch.float32, device=device))
+            logits = logits.index_copy(0, index, sub)
+
+        probs = logits.softmax(dim=-1)  # [n, V]
+        # Exponential race: q ~ Exp(1); argmax(probs / q) ~ Categorical(probs).
+        q = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(requests) if r.generator is None]
+        if len(unseeded) == n:
+            q.exponential_()
+        else:
+            if unseeded:
+                index = torch.tensor(unseeded, device=device)
+                q[index] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+            for j, r in enumerate(requests):
+                if r.generator is not None:
+                    q[j] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # Exp(1) can round to 0; avoid 0/0
+        return probs.div_(q).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, requests: Sequence[Request], token_ids: torch.Tensor, token_list: list[int]
+    ) -> list[TokenLogprobs | None]:
+        """Logprobs from the raw logits ``[num_rows, V]`` for rows whose request sets ``logprobs``."""
+        out: list[TokenLogprobs | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return out
+        index = torch.tensor(rows, device=raw.device)
+        logprobs = raw.index_select(0, index).log_softmax(dim=-1)  # [n, V]
+        sampled = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1))  # [n, 1]
+        ranks = ((logprobs > sampled).sum(dim=-1) + 1).tolist()  # 1 = most likely
+        max_k = max(requests[i].sampling_params.logprobs for i in rows)
+        if max_k > 0:
+            top = logprobs.topk(max_k, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        sampled_list = sampled.squeeze(1).tolist()
+        for j, i in enumerate(rows):
+            k = requests[i].sampling_params.logprobs
+            pairs = list(zip(top_ids[j][:k], top_values[j][:k])) if k > 0 else []
+            out[i] = TokenLogprobs(token_id=token_list[i], logprob=sampled_list[j], rank=ranks[j], top=pairs)
+        return out

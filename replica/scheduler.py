@@ -1,0 +1,319 @@
+"""Iteration-level scheduler: which requests run in the next step, and how many tokens each.
+
+Plain Python, no torch. Continuous batching as in Orca (Yu et al. 2022, "Orca: A Distributed
+Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's scheduler:
+
+* one token budget per step (``max_num_batched_tokens``), spent on ``running`` requests first
+  (1 token for a decode, a chunk for an unfinished prefill), then on ``waiting`` requests in FCFS
+  order while seats (``max_num_seqs``) and KV blocks allow; prefills and decodes share one forward;
+* a prompt larger than the remaining budget is prefilled in chunks (chunked prefill);
+* when a running request needs a block and none is free, the newest running request is preempted
+  by recompute: its blocks are freed, ``num_computed_tokens`` goes back to 0 and it goes first in
+  ``waiting`` (its prompt *and* output so far are prefilled again when it is readmitted);
+* a finished or aborted request gives back its seat and blocks in the step it finishes.
+
+``policy="static"`` is the baseline: a batch is admitted only when the previous one has wholly
+finished, and a finished member keeps its seat, its blocks and its row in the forward (as padding,
+like a padded static batch) until the last member ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replica.block_manager import BlockManager
+from replica.request import FinishReason, Request, RequestStatus
+
+SchedulingPolicy = Literal["continuous", "static"]
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes tokens ``[start, start + num_new_tokens)`` of ``request`` (prompt then
+    output). ``samples`` is true when the chunk reaches the last known token, so the step yields
+    a new token for it. Padding rows (static policy) recompute the last token at the next
+    position and their sample is thrown away.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool
+    is_padding: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockManager`.
+
+    Args:
+        block_manager: the KV block pool this scheduler allocates from.
+        max_num_seqs: seats in the batch (running requests at most).
+        max_num_batched_tokens: tokens computed per step at most (the token budget).
+        max_model_len: prompt + output tokens per request at most.
+        policy: ``"continuous"`` (iteration-level) or ``"static"`` (the baseline).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: SchedulingPolicy = "continuous",
+    ) -> None:
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+
+    # ---- queue state -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """Seats taken by requests still generating (padding rows not counted)."""
+        return sum(1 for r in self.running if not r.is_padding)
+
+    @property
+    def num_seats_taken(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or any(not r.is_padding for r in self.running)
+
+    # ---- adding and removing -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (FCFS). Raises ``ValueError`` on a duplicate id or a prompt that can't fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_tokens} tokens; max_model_len is {self.max_model_len}, "
+                "so at most max_model_len - 1 prompt tokens leave room for one output token"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request now (abort, or a stop string found by the detokenizer).
+
+        Its seat and blocks are free when this returns (static policy: a non-aborted member
+        stays as padding until its batch ends). Returns the request, or None if unknown or
+        already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, reason, stop_reason)
+        self._release_static_batch_if_done()
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.finish_step = self.step_count
+        if self.policy == "static" and reason != FinishReason.ABORT and request in self.running:
+            request.is_padding = True  # keeps its seat and blocks until the batch ends
+            return
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.block_manager.free(request.request_id)
+        request.block_ids = []
+        self.requests.pop(request.request_id, None)
+
+    def _release_static_batch_if_done(self) -> None:
+        if self.policy == "static" and self.running and all(r.is_padding for r in self.running):
+            for request in list(self.running):
+                self._remove(request)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose the requests and token counts of the next step and allocate their blocks."""
+        out = SchedulerOutput(step=self.step_count + 1)
+        budget = self.max_num_batched_tokens
+        batch_was_empty = not self.running
+
+        # 1. Running requests first, oldest first; preempt the newest when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if request.is_padding:
+                scheduled = self._schedule_padding(request)
+                if scheduled is not None:
+                    out.scheduled.append(scheduled)
+                    budget -= 1
+                index += 1
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            while not self.block_manager.can_allocate(request.request_id, target):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; self.running shrank, index now points past it
+            self._allocate(request, target)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # 2. Waiting requests, FCFS, while seats, budget and blocks allow.
+        may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)
+        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            if not self.block_manager.can_allocate(request.request_id, target):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._allocate(request, target)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        if self.policy == "static" and batch_was_empty:
+            # A static batch is fixed at formation: members whose prefill did not fit the budget
+            # this step still hold a seat and are prefilled in the following steps.
+            while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
+                request = self.waiting[0]
+                if not self.block_manager.can_allocate(request.request_id, request.num_tokens):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+
+        if out.scheduled:
+            self.step_count += 1
+        return out
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_new_tokens=num_new,
+            samples=start + num_new == request.num_tokens,
+        )
+
+    def _schedule_padding(self, request: Request) -> ScheduledRequest | None:
+        """A finished static-batch member's row: recompute at the next position, if it fits."""
+        position = request.num_computed_tokens
+        if position >= self.max_model_len or not self.block_manager.can_allocate(
+            request.request_id, position + 1
+        ):
+            return None  # out of room: the padding row stops being computed, keeps its seat
+        self._allocate(request, position + 1)
+        return ScheduledRequest(request, position, 1, samples=True, is_padding=True)
+
+    def _allocate(self, request: Request, num_tokens: int) -> None:
+        self.block_manager.allocate(request.request_id, num_tokens)
+        request.block_ids = self.block_manager.block_table(request.request_id)
+
+    def _pick_victim(self) -> Request:
+        # Padding rows are the cheapest to give up: drop their blocks first (static policy).
+        for request in reversed(self.running):
+            if request.is_padding and request.block_ids:
+                return request
+        for request in reversed(self.running):
+            if not request.is_padding:
+                return request
+        raise RuntimeError("no running request to preempt")  # unreachable while one runs
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.block_manager.free(request.request_id)
+        request.block_ids = []
+        if request.is_padding:
+            request.num_computed_tokens = self.max_model_len  # never computed again
+            return
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- after the forward -------------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[Request]:
+        """Advance ``num_computed_tokens``, append sampled tokens and apply token-level stops.
+
+        ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
+        row does not sample). Returns the requests that produced a token this step, in order;
+        those that finished have ``status == FINISHED`` and their seat and blocks are already
+        free (static: kept as padding until the batch ends).
+        """
+        produced: list[Request] = []
+        for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+            request = scheduled.request
+            if scheduled.is_padding:
+                request.num_computed_tokens += 1
+                continue
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.samples:
+                continue
+            assert token_id is not None
+            request.output_token_ids.append(token_id)
+            produced.append(request)
+            reason, stop_reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self._finish(request, reason, stop_reason)
+        self._release_static_batch_if_done()
+        return produced
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None

@@ -1,0 +1,238 @@
+"""Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from replica.request import Request, SamplingParams
+from replica.sampler import Sampler, apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
+
+VOCAB = 64
+EOS = 2
+
+
+def make_request(prompt=(5, 6, 7), output=(), eos=(EOS,), **params) -> Request:
+    sp = SamplingParams(**params)
+    generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(prompt),
+        sampling_params=sp,
+        eos_token_ids=tuple(eos),
+        output_token_ids=list(output),
+        generator=generator,
+    )
+
+
+def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+sampler = Sampler()
+
+
+def test_greedy_is_argmax_and_input_untouched():
+    logits = random_logits(8)
+    before = logits.clone()
+    out = sampler(logits, [make_request(temperature=0.0) for _ in range(8)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 8
+    assert torch.equal(logits, before)
+
+
+def test_greedy_bfloat16_logits():
+    logits = random_logits(4).to(torch.bfloat16)
+    out = sampler(logits, [make_request(temperature=0.0) for _ in range(4)])
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+
+
+def test_greedy_with_repetition_penalty_matches_transformers():
+    logits = random_logits(3, scale=1.0)
+    prompts = [[1, 4, 9], [int(logits[1].argmax()), 3], [int(logits[2].argmax())]]
+    outputs = [[10, 11], [], [int(logits[2].topk(2).indices[1])]]
+    reqs = [make_request(prompt=p, output=o, temperature=0.0, repetition_penalty=1.7) for p, o in zip(prompts, outputs)]
+    ours = sampler(logits, reqs).token_ids
+    processor = RepetitionPenaltyLogitsProcessor(penalty=1.7)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        hf_scores = processor(torch.tensor([p + o]), logits[i : i + 1].clone())
+        assert ours[i] == int(hf_scores.argmax())
+
+
+def draw_sequence(seed: int, position: int, batch_size: int, steps: int = 24) -> list[int]:
+    """Sample ``steps`` times for one seeded request placed at ``position`` among others."""
+    target = make_request(seed=seed, temperature=1.0, top_p=0.95)
+    others = [make_request(temperature=0.8) if j % 2 else make_request(seed=1000 + j) for j in range(batch_size - 1)]
+    tokens = []
+    for step in range(steps):
+        logits = random_logits(batch_size, seed=step, scale=1.0)  # flat-ish: many likely tokens
+        reqs = others[:position] + [target] + others[position:]
+        # the target's row must see the same logits whatever its position
+        target_row = random_logits(1, seed=10_000 + step, scale=1.0)[0]
+        logits[position] = target_row
+        tokens.append(sampler(logits, reqs).token_ids[position])
+    return tokens
+
+
+def test_seeded_samples_do_not_depend_on_batch_mates():
+    alone = draw_sequence(seed=42, position=0, batch_size=1)
+    assert draw_sequence(seed=42, position=0, batch_size=5) == alone
+    assert draw_sequence(seed=42, position=3, batch_size=7) == alone
+    assert draw_sequence(seed=42, position=6, batch_size=7) == alone
+
+
+def test_seeded_row_uses_exponential_race_on_its_own_generator():
+    logits = random_logits(3, scale=1.0)
+    reqs = [make_request(), make_request(seed=123, temperature=0.7), make_request(seed=5)]
+    token = sampler(logits, reqs).token_ids[1]
+    noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(123))
+    assert token == int(((logits[1] / 0.7).softmax(-1) / noise).argmax())
+
+
+def test_different_seeds_differ():
+    assert draw_sequence(seed=1, position=0, batch_size=1) != draw_sequence(seed=2, position=0, batch_size=1)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = random_logits(16, scale=1.0)
+    greedy = logits.argmax(dim=-1).tolist()
+    assert sampler(logits, [make_request(top_k=1) for _ in range(16)]).token_ids == greedy
+    assert sampler(logits, [make_request(top_p=1e-6) for _ in range(16)]).token_ids == greedy
+    assert sampler(logits, [make_request(min_p=1.0) for _ in range(16)]).token_ids == greedy
+    mixed = [make_request(top_k=1), make_request(top_p=1e-6, seed=3), make_request(temperature=0.0)] * 5 + [make_request(top_k=1)]
+    assert sampler(logits, mixed).token_ids == greedy
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, None), (None, 0.6), (7, 0.8), (3, 0.99)])
+def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
+    logits = random_logits(6, scale=2.0)
+    expected = logits.clone()
+    if top_k is not None:
+        expected = TopKLogitsWarper(top_k=top_k)(None, expected)
+    if top_p is not None:
+        expected = TopPLogitsWarper(top_p=top_p)(None, expected)
+    k = torch.full((6,), top_k, dtype=torch.long) if top_k is not None else None
+    p = torch.full((6,), top_p) if top_p is not None else None
+    ours = apply_top_k_top_p(logits, k, p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
+    kept = ~torch.isinf(ours)
+    assert torch.equal(ours[kept], logits[kept])
+
+
+def test_top_p_keeps_smallest_nucleus():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda p: (~torch.isinf(apply_top_k_top_p(logits, None, torch.tensor([p])))).nonzero()[:, 1].tolist()
+    assert kept(0.4) == [0]
+    assert kept(0.7) == [0, 1]
+    assert kept(0.9) == [0, 1, 2]
+    assert kept(1.0) == [0, 1, 2, 3]
+
+
+def test_min_p_threshold_and_matches_transformers():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = (~torch.isinf(apply_min_p(logits, torch.tensor([0.2])))).nonzero()[:, 1].tolist()
+    assert kept == [0, 1, 2]  # 0.05 < 0.2 * 0.5
+    many = random_logits(5)
+    ours = apply_min_p(many, torch.full((5,), 0.1))
+    theirs = MinPLogitsWarper(min_p=0.1)(None, many.clone())
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    # min_p = 0 disables
+    assert torch.equal(apply_min_p(many, torch.zeros(5)), many)
+
+
+def test_samples_follow_the_distribution_and_respect_truncation():
+    n = 4000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(n, 4).contiguous()
+    torch.manual_seed(0)
+    counts = torch.bincount(torch.tensor(sampler(logits, [make_request() for _ in range(n)]).token_ids), minlength=4)
+    assert torch.allclose(counts / n, probs, atol=0.03)
+    # temperature 0.5 squares the probabilities (renormalized)
+    counts = torch.bincount(torch.tensor(sampler(logits, [make_request(temperature=0.5) for _ in range(n)]).token_ids), minlength=4)
+    assert torch.allclose(counts / n, probs**2 / (probs**2).sum(), atol=0.03)
+    # truncation: never outside the kept set
+    assert set(sampler(logits, [make_request(top_k=2) for _ in range(n)]).token_ids) == {0, 1}
+    assert set(sampler(logits, [make_request(top_p=0.7) for _ in range(n)]).token_ids) == {0, 1}
+    assert set(sampler(logits, [make_request(min_p=0.2) for _ in range(n)]).token_ids) == {0, 1, 2}
+
+
+def test_apply_penalties_changes_exactly_the_expected_logits():
+    logits = torch.tensor(
+        [
+            [1.0, -1.0, 2.0, -2.0, 0.5, 3.0],  # repetition only
+            [1.0, -1.0, 2.0, -2.0, 0.5, 3.0],  # no penalty
+            [1.0, -1.0, 2.0, -2.0, 0.5, 3.0],  # frequency + presence
+            [1.0, -1.0, 2.0, -2.0, 0.5, 3.0],  # all three
+        ]
+    )
+    reqs = [
+        make_request(prompt=[0, 1], output=[1, 3], repetition_penalty=2.0),
+        make_request(prompt=[0, 1], output=[1, 3]),
+        make_request(prompt=[0, 1], output=[2, 2, 4], frequency_penalty=0.5, presence_penalty=0.25),
+        make_request(prompt=[5], output=[2, 2, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=-1.0),
+    ]
+    out = apply_penalties(logits.clone(), reqs)
+    expected = torch.tensor(
+        [
+            [0.5, -2.0, 2.0, -4.0, 0.5, 3.0],  # tokens 0, 1, 3 seen (prompt + output)
+            [1.0, -1.0, 2.0, -2.0, 0.5, 3.0],
+            # token 2 twice: 2 - 0.5*2 - 0.25; token 4 once: 0.5 - 0.5 - 0.25; prompt tokens untouched
+            [1.0, -1.0, 0.75, -2.0, -0.25, 3.0],
+            # repetition on 1, 2, 5 (prompt 5 too); then frequency/presence on output 2 (x2), 1 (x1)
+            [1.0, -2.0 - 0.5 + 1.0, 1.0 - 1.0 + 1.0, -2.0, 0.5, 1.5],
+        ]
+    )
+    assert torch.allclose(out, expected)
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.zeros(5, VOCAB)
+    logits[:, EOS] = 10.0
+    logits[:, 9] = 9.0  # a stop token id, second best
+    logits[:, 4] = 8.0
+    reqs = [
+        make_request(temperature=0.0, min_tokens=3, output=[7]),  # EOS masked
+        make_request(temperature=0.0, min_tokens=3, output=[7, 7, 7]),  # reached: EOS allowed
+        make_request(temperature=0.0, min_tokens=3, stop_token_ids=[9]),  # EOS and 9 masked
+        make_request(temperature=0.0, min_tokens=3, ignore_eos=True, stop_token_ids=[9]),  # EOS kept
+        make_request(temperature=0.0, min_tokens=3, stop_token_ids=[9], seed=0, top_k=1),  # random row too
+    ]
+    out = sampler(logits, reqs)
+    assert out.token_ids == [9, EOS, 4, EOS, 4]
+    masked = apply_min_tokens(logits.clone(), reqs)
+    assert math.isinf(masked[0, EOS]) and not math.isinf(masked[1, EOS]) and not math.isinf(masked[3, EOS])
+    assert math.isinf(masked[2, 9]) and math.isinf(masked[3, 9])
+
+
+def test_logprobs_from_raw_logits():
+    logits = random_logits(4)
+    reqs = [
+        make_request(logprobs=5, temperature=0.0),
+        make_request(logprobs=0, temperature=0.7, repetition_penalty=1.5, seed=1),  # raw, not penalized
+        make_request(),  # no logprobs
+        make_request(logprobs=3, top_k=4, seed=9),
+    ]
+    out = sampler(logits, reqs)
+    reference = logits.log_softmax(dim=-1)
+    assert out.logprobs[2] is None
+    for i in (0, 1, 3):
+        lp = out.logprobs[i]
+        token = out.token_ids[i]
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(float(reference[i, token]), abs=1e-6)
+        assert lp.rank == int((reference[i] > reference[i, token]).sum()) + 1
+        k = reqs[i].sampling_params.logprobs
+        assert len(lp.top) == k
+        best = reference[i].topk(max(k, 1))
+        assert [t for t, _ in lp.top] == best.indices.tolist()[:k]
+        assert [v for _, v in lp.top] == pytest.approx(best.values.tolist()[:k], abs=1e-6)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+    assert out.logprobs[0].rank == 1  # greedy without penalties picks the most likely token
