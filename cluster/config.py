@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -60,3 +60,73 @@ class EngineConfig(BaseModel):
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         return self
+
+
+# ---- serving (cluster/app.py, cluster/cli.py) ------------------------------------------------
+class ServeConfig(BaseModel):
+    """``carpool serve``: the engine settings of every replica plus the cluster and HTTP settings.
+
+    A config file (YAML or JSON) holds these fields, with the engine's under ``engine:``; command
+    line options override it. Example::
+
+        replicas: 2
+        port: 8000
+        engine:
+          model: HuggingFaceTB/SmolLM2-135M-Instruct
+          dtype: bfloat16
+          max_num_seqs: 32
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Each replica's engine settings.")
+    replicas: int | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "Replica count, or auto: one per GPU in the Ray cluster when the device is CUDA, "
+            "otherwise one per CPU core of the cluster."
+        ),
+    )
+    served_model_name: str | None = Field(
+        None, description="The model id the API reports and accepts; default the engine's model."
+    )
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds (0.0.0.0 for every interface).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI-compatible API.")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="If set, every endpoint but /health needs 'Authorization: Bearer <api_key>'.",
+    )
+    address: str | None = Field(
+        None, description="Ray cluster to join (e.g. 'auto' or 'ray://host:10001'); default a new local one."
+    )
+    app_name: str = Field("carpool", min_length=1, description="Serve application name.")
+    num_cpus_per_replica: float = Field(
+        1.0, gt=0, description="CPUs Ray reserves for each replica; on CPU, also its torch thread count."
+    )
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description=(
+            "Serve's cap of requests in flight to one replica. Far above max_num_seqs, so that "
+            "requests reach the engine's own waiting queue (Serve's default of 5 would starve the batch)."
+        ),
+    )
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (tokenization, SSE).")
+    max_n: int = Field(16, ge=1, description="Largest 'n' (choices per request) the API accepts.")
+    routing_stats_period_s: float = Field(
+        0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
+    )
+    include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
+
+    @field_validator("replicas")
+    @classmethod
+    def _check_replicas(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"must be at least 1 or 'auto', got {value}")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        """The model id clients use in requests and see in ``/v1/models``."""
+        return self.served_model_name or self.engine.model

@@ -168,7 +168,7 @@ class LLMEngine:
         """Queue a request built by :meth:`make_request`. Raises ``ValueError`` on a duplicate id."""
         self.scheduler.add_request(request)
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params
+            self.tokenizer, request.prompt_token_ids, request.sampling_params, request.eos_token_ids
         )
 
     def abort(self, request_id: str) -> StepOutput | None:

@@ -9,11 +9,13 @@ The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
    (``logit -= frequency * count + presence * (count > 0)``). Same order as vLLM.
 2. **min_tokens** (:func:`apply_min_tokens`): EOS (unless ``ignore_eos``) and ``stop_token_ids``
    get ``-inf`` while fewer than ``min_tokens`` tokens have been generated.
-3. **Greedy rows** (``temperature == 0``): ``torch.argmax`` of these logits, exactly what
-   ``transformers``' greedy ``generate`` picks (it also applies its repetition penalty first).
+3. **Greedy rows** (``temperature == 0``, or below 1e-5 as in vLLM): ``torch.argmax`` of these
+   logits, exactly what ``transformers``' greedy ``generate`` picks (it also applies its
+   repetition penalty first).
 4. **Random rows**: divide by the temperature, then truncate in Hugging Face's order: top-k,
    top-p (nucleus sampling, Holtzman et al. 2019, arXiv:1904.09751), min-p (Nguyen et al. 2024,
-   arXiv:2407.01082). Then sample with the *exponential race* that vLLM's sampler uses:
+   arXiv:2407.01082; its mask is the same before or after top-k/top-p, being a ratio to p_max).
+   Then sample with the *exponential race* that vLLM's sampler uses:
    ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with
    probability ``probs[i]`` (it is the Gumbel-max trick in disguise) and needs no CPU sync.
    A seeded request draws its ``q`` only from its own ``torch.Generator``, so its samples do not
@@ -35,6 +37,9 @@ from typing import Sequence
 import torch
 
 from replica.request import Request, TokenLogprobs
+
+# Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 __all__ = ["Sampler", "SamplerOutput", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p"]
 
@@ -132,8 +137,13 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
+# Top-p first looks for the nucleus among this many most likely tokens (a partial topk is ~20x
+# cheaper than sorting a 50k vocabulary on CPU); rows whose nucleus reaches further are sorted.
+TOP_P_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask tokens outside the top-k and outside the nucleus to ``-inf``.
+    """Mask tokens outside the top-k and then outside the nucleus to ``-inf`` (HF's order).
 
     Args:
         logits: ``[n, V]`` temperature-scaled logits (not modified).
@@ -142,21 +152,41 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     Returns:
         ``[n, V]`` new tensor. Top-k keeps every token whose logit is >= the k-th largest (ties
         kept). Top-p (Holtzman et al. 2019) then keeps the smallest set of most likely tokens
-        whose renormalized probability mass reaches ``p``, always at least one (as HF and vLLM:
-        drop the ascending-sorted prefix whose cumulative mass is <= ``1 - p``).
+        whose renormalized probability mass reaches ``p``: token ``j`` stays iff the mass of the
+        tokens more likely than ``j`` is ``< p`` (so the most likely token always stays). That is
+        HF's and vLLM's rule (drop the ascending-sorted prefix whose cumulative mass is
+        ``<= 1 - p``), computed on the top ``TOP_P_CANDIDATES`` tokens when the nucleus lies there.
     """
-    if top_k is None and top_p is None:
-        return logits
-    if top_p is None:
-        # Top-k alone: a partial topk is cheaper than a full sort.
-        top_values = logits.topk(int(top_k.max()), dim=-1).values  # [n, max_k], descending
-        kth = top_values.gather(1, (top_k - 1).unsqueeze(1))  # [n, 1]
-        return logits.masked_fill(logits < kth, -math.inf)
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # ascending
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    if top_k is not None and bool((top_k < vocab).any()):
+        k_on = top_k < vocab  # [n]; a full-vocabulary topk for disabled rows would cost a sort
+        max_k = int(top_k[k_on].max())
+        top_values = logits.topk(max_k, dim=-1).values  # [n, max_k], descending
+        kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))  # [n, 1]
+        logits = logits.masked_fill(logits < kth.masked_fill(~k_on.unsqueeze(1), -math.inf), -math.inf)
+    if top_p is None or not bool((top_p < 1).any()):
+        return logits
+    p_on = (top_p < 1).unsqueeze(1)  # [n, 1]; p = 1 keeps everything (no rounding surprises)
+    num_candidates = min(TOP_P_CANDIDATES, vocab)
+    values = logits.topk(num_candidates, dim=-1).values  # [n, c], descending
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()  # true probabilities
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the more likely candidates
+    keep = (mass_before < top_p.unsqueeze(1)) & (values > -math.inf)  # [n, c]
+    keep[:, 0] = True
+    threshold = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)  # [n, 1] smallest kept logit
+    out = logits.masked_fill(logits < threshold.masked_fill(~p_on, -math.inf), -math.inf)
+    # Rows whose last candidate is still kept may have a nucleus beyond the candidates: sort them.
+    if num_candidates == vocab:
+        return out
+    spill = (keep[:, -1:] & p_on).squeeze(1).nonzero().squeeze(1)
+    if spill.numel():
+        out.index_copy_(0, spill, _top_p_by_sort(logits.index_select(0, spill), top_p.index_select(0, spill)))
+    return out
+
+
+def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p with a full ascending sort (HF's formulation); ``logits`` ``[n, V]``, ``top_p`` ``[n]``."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
     cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum_probs <= (1 - top_p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
@@ -205,26 +235,37 @@ class Sampler:
             apply_min_tokens(work, requests)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        greedy = [r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests]
+        greedy_rows = [i for i, g in enumerate(greedy) if g]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
         if greedy_rows:
-            index = torch.tensor(greedy_rows, device=device)
-            token_ids[index] = work.index_select(0, index).argmax(dim=-1)
+            if len(greedy_rows) == num_rows:
+                token_ids = work.argmax(dim=-1)
+            else:
+                index = torch.tensor(greedy_rows, device=device)
+                token_ids[index] = work.index_select(0, index).argmax(dim=-1)
         if random_rows:
             index = torch.tensor(random_rows, device=device)
-            token_ids[index] = self._sample_random(work.index_select(0, index), [requests[i] for i in random_rows])
+            if len(random_rows) == num_rows and work is not raw:
+                owned = work  # already our own copy, and no greedy row reads it any more
+            else:
+                owned = work.index_select(0, index)
+            token_ids[index] = self._sample_random(owned, [requests[i] for i in random_rows])
 
         token_list = token_ids.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids, token_list))
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then the exponential race. ``logits``: ``[n, V]``."""
+        """Temperature, top-k, top-p, min-p, then the exponential race; ``[n]`` token ids.
+
+        ``logits``: ``[n, V]`` float32, owned by this call (overwritten in place).
+        """
         n, vocab = logits.shape
         device = logits.device
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        logits = logits / temperature.unsqueeze(1)
+        logits.div_(temperature.unsqueeze(1))  # the caller hands over a tensor it owns
 
         # Truncation: only on the rows that ask for it.
         trunc_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
@@ -240,22 +281,25 @@ class Sampler:
             sub = apply_top_k_top_p(sub, top_k, top_p)
             if any(p.min_p > 0.0 for p in sub_params):
                 sub = apply_min_p(sub, torch.tensor([p.min_p for p in sub_params], dtype=torch.float32, device=device))
-            logits = logits.index_copy(0, index, sub)
+            logits.index_copy_(0, index, sub)
 
-        probs = logits.softmax(dim=-1)  # [n, V]
-        # Exponential race: q ~ Exp(1); argmax(probs / q) ~ Categorical(probs).
+        # Exponential race: with q ~ Exp(1) i.i.d., argmax(probs / q) ~ Categorical(probs). The
+        # softmax's normalization does not change the argmax, so exp(x - max) stands in for probs.
+        probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [n, V], in place
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(requests) if r.generator is None]
-        if len(unseeded) == n:
-            q.exponential_()
-        else:
-            if unseeded:
+        if unseeded:
+            # -log(U), U ~ Uniform[0, 1), is Exp(1) too and ~4x faster than exponential_() on CPU.
+            # (U = 0 gives q = inf: that one token sits out, a 2**-24-sized effect.)
+            if len(unseeded) == n:
+                q.uniform_().log_().neg_()
+            else:
                 index = torch.tensor(unseeded, device=device)
-                q[index] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-            for j, r in enumerate(requests):
-                if r.generator is not None:
-                    q[j] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
-        q.clamp_(min=torch.finfo(q.dtype).tiny)  # Exp(1) can round to 0; avoid 0/0
+                q.index_copy_(0, index, torch.empty(len(unseeded), vocab, device=device).uniform_().log_().neg_())
+        for j, r in enumerate(requests):
+            if r.generator is not None:  # only this request's generator: batch-independent
+                q[j] = torch.empty(vocab, device=device).exponential_(generator=r.generator)
+        q.clamp_(min=torch.finfo(q.dtype).tiny)  # an Exp(1) draw can round to 0; avoid 0/0
         return probs.div_(q).argmax(dim=-1)
 
     @staticmethod

@@ -180,10 +180,6 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.is_padding:
-                scheduled = self._schedule_padding(request)
-                if scheduled is not None:
-                    out.scheduled.append(scheduled)
-                    budget -= 1
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -199,6 +195,15 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
+
+        # Static policy: finished members' rows are still computed (padding) while room is left;
+        # they come after the real requests so that a preemption never frees a scheduled row.
+        for request in self.running:
+            if request.is_padding and budget > 0:
+                scheduled = self._schedule_padding(request)
+                if scheduled is not None:
+                    out.scheduled.append(scheduled)
+                    budget -= 1
 
         # 2. Waiting requests, FCFS, while seats, budget and blocks allow.
         may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)

@@ -159,7 +159,8 @@ def test_stop_string_ignored_within_min_tokens(smollm2_tokenizer, prompt_ids):
 
 def sentencepiece_like_tokenizer() -> Tokenizer:
     """A Llama-2-style decoder (▁ for spaces, byte fallback, leading space stripped) on a toy vocab."""
-    vocab = {"<unk>": 0, "<s>": 1, "▁Hi": 2, "▁Hello": 3, "▁world": 4, "<0xE6>": 5, "<0x97>": 6, "<0xA5>": 7, "!": 8}
+    pieces = ["<unk>", "<s>", "▁Hi", "▁Hello", "▁world", "<0xE6>", "<0x97>", "<0xA5>", "!"]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.add_special_tokens(["<s>"])
     tok.decoder = decoders.Sequence(
@@ -177,3 +178,19 @@ def test_prompt_context_keeps_first_token_space_for_sentencepiece():
     assert all("\ufffd" not in d for d in deltas)
     no_prompt = IncrementalDetokenizer(tok, [], SamplingParams())
     assert "".join(stream(no_prompt, output)) == tok.decode(output) == "Hello world日!"
+
+
+def test_recovers_from_invalid_prefix_error(smollm2_tokenizer, prompt_ids):
+    """tokenizers' DecodeStream can raise 'Invalid prefix encountered' (vllm#17448): restart."""
+    tok = smollm2_tokenizer
+    ids = tok.encode("one two three")
+
+    class Failing:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered while decoding stream.")
+
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams())
+    first = detok.update(ids[:1], finished=False).delta_text
+    detok._stream = Failing()
+    rest = stream(detok, ids[1:])
+    assert first + "".join(rest) == "one two three"

@@ -107,7 +107,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     assert sampler(logits, [make_request(top_k=1) for _ in range(16)]).token_ids == greedy
     assert sampler(logits, [make_request(top_p=1e-6) for _ in range(16)]).token_ids == greedy
     assert sampler(logits, [make_request(min_p=1.0) for _ in range(16)]).token_ids == greedy
-    mixed = [make_request(top_k=1), make_request(top_p=1e-6, seed=3), make_request(temperature=0.0)] * 5 + [make_request(top_k=1)]
+    mixed = [make_request(top_k=1), make_request(top_p=1e-6, seed=3), make_request(temperature=0.0)] * 5
+    mixed.append(make_request(top_k=1))
     assert sampler(logits, mixed).token_ids == greedy
 
 
@@ -125,6 +126,26 @@ def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
     assert torch.equal(torch.isinf(ours), torch.isinf(expected))
     kept = ~torch.isinf(ours)
     assert torch.equal(ours[kept], logits[kept])
+
+
+@pytest.mark.parametrize("candidates", [1024, 8])  # nucleus found among candidates / sort fallback
+def test_top_p_mixed_rows_match_transformers(monkeypatch, candidates):
+    import replica.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
+    vocab = 2000
+    logits = torch.cat([random_logits(4, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.3)])
+    top_k = torch.tensor([vocab, 10, vocab, 300, vocab, 10, vocab, 1500])  # vocab = disabled
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.9, 1.0, 0.2, 0.99])
+    ours = apply_top_k_top_p(logits, top_k, top_p)
+    for i in range(8):
+        expected = logits[i : i + 1].clone()
+        if top_k[i] < vocab:
+            expected = TopKLogitsWarper(top_k=int(top_k[i]))(None, expected)
+        if top_p[i] < 1:
+            expected = TopPLogitsWarper(top_p=float(top_p[i]))(None, expected)
+        assert torch.equal(torch.isinf(ours[i : i + 1]), torch.isinf(expected)), i
+    assert not torch.isinf(ours[2]).logical_not().all()  # something was cut
 
 
 def test_top_p_keeps_smallest_nucleus():
@@ -156,7 +177,8 @@ def test_samples_follow_the_distribution_and_respect_truncation():
     counts = torch.bincount(torch.tensor(sampler(logits, [make_request() for _ in range(n)]).token_ids), minlength=4)
     assert torch.allclose(counts / n, probs, atol=0.03)
     # temperature 0.5 squares the probabilities (renormalized)
-    counts = torch.bincount(torch.tensor(sampler(logits, [make_request(temperature=0.5) for _ in range(n)]).token_ids), minlength=4)
+    tokens = sampler(logits, [make_request(temperature=0.5) for _ in range(n)]).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=4)
     assert torch.allclose(counts / n, probs**2 / (probs**2).sum(), atol=0.03)
     # truncation: never outside the kept set
     assert set(sampler(logits, [make_request(top_k=2) for _ in range(n)]).token_ids) == {0, 1}
@@ -177,7 +199,9 @@ def test_apply_penalties_changes_exactly_the_expected_logits():
         make_request(prompt=[0, 1], output=[1, 3], repetition_penalty=2.0),
         make_request(prompt=[0, 1], output=[1, 3]),
         make_request(prompt=[0, 1], output=[2, 2, 4], frequency_penalty=0.5, presence_penalty=0.25),
-        make_request(prompt=[5], output=[2, 2, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=-1.0),
+        make_request(
+            prompt=[5], output=[2, 2, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=-1.0
+        ),
     ]
     out = apply_penalties(logits.clone(), reqs)
     expected = torch.tensor(

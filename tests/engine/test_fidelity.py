@@ -1,0 +1,152 @@
+"""Greedy fidelity: Carpool's tokens equal transformers ``generate`` on the same weights (fp32).
+
+Every scheduling situation that could change a request's computation — all at once, staggered
+arrivals, fewer seats than requests, a block pool small enough to force preemption, chunked
+prefill — under both policies, on two model families.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from replica import LLM, SamplingParams
+from tests.helpers import assert_idle
+
+NUM_PROMPTS = 16
+
+
+def _workload(seed: int = 0) -> list[tuple[list[int], int]]:
+    """16 (prompt ids, max_tokens) pairs of varied lengths: 1 to 90 prompt tokens, 1 to 40 outputs."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 13, 17, 21, 30, 33, 47, 50, 64, 71, 80, 90]
+    rng.shuffle(lengths)
+    return [
+        ([rng.randrange(3, 49152) for _ in range(n)], rng.choice([1, 2, 7, 16, 25, 40]))
+        for n in lengths
+    ]
+
+
+_reference_cache: dict[tuple[str, int], list[list[int]]] = {}
+
+
+def reference_tokens(path: str, workload) -> list[list[int]]:
+    """transformers' own greedy ``generate``, one prompt at a time (no padding)."""
+    key = (path, id(workload))
+    if key not in _reference_cache:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        outs = []
+        for ids, max_tokens in workload:
+            generated = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=2,
+            )
+            outs.append(generated[0, len(ids):].tolist())
+        _reference_cache[key] = outs
+    return _reference_cache[key]
+
+
+WORKLOAD = _workload()
+
+SCENARIOS = {
+    # name: (engine kwargs, arrival plan)
+    "all-at-once": (dict(max_num_seqs=32), None),
+    "few-seats": (dict(max_num_seqs=4), None),
+    "staggered": (dict(max_num_seqs=8), "staggered"),
+    "chunked-prefill": (dict(max_num_seqs=8, max_num_batched_tokens=24), None),
+    # 12 blocks of 16 tokens = 192 token slots for 16 requests of up to 130 tokens each.
+    "preemption": (dict(max_num_seqs=16, num_blocks=12, max_model_len=192), None),
+}
+
+
+def run_engine(llm: LLM, workload, plan) -> tuple[list[list[int]], list[str]]:
+    engine = llm.engine
+    requests = [
+        engine.make_request(None, prompt_token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=m))
+        for ids, m in workload
+    ]
+    pending = list(requests)
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if plan == "staggered":
+            # One new request every other step: arrivals land mid-decode of earlier ones.
+            if pending and step % 2 == 0:
+                engine.add_prepared_request(pending.pop(0))
+        else:
+            while pending:
+                engine.add_prepared_request(pending.pop(0))
+        engine.step()
+        step += 1
+    return [r.output_token_ids for r in requests], [r.finish_reason.value for r in requests]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy, scenario):
+    path = tiny_model_factory(family)
+    kwargs, plan = SCENARIOS[scenario]
+    llm = LLM(model=path, dtype="float32", scheduling_policy=policy, **kwargs)
+    expected = reference_tokens(path, WORKLOAD)
+    got, reasons = run_engine(llm, WORKLOAD, plan)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"request {i} (prompt {len(WORKLOAD[i][0])} tokens) differs"
+    # Token-level finish reasons: EOS (id 2) → stop, else the max_tokens limit → length.
+    for tokens, reason, (_, max_tokens) in zip(got, reasons, WORKLOAD):
+        assert reason == ("stop" if tokens[-1] == 2 else "length")
+        assert len(tokens) == max_tokens or tokens[-1] == 2
+    if scenario == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_idle(llm.engine)
+
+
+def test_third_family_qwen3(tiny_model_factory):
+    """Qwen3 (per-head q/k RMSNorm) through the same attention hook."""
+    path = tiny_model_factory("qwen3")
+    llm = LLM(model=path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    expected = reference_tokens(path, WORKLOAD)
+    got, _ = run_engine(llm, WORKLOAD, None)
+    assert got == expected
+    assert_idle(llm.engine)
+
+
+def test_batch_invariance(tiny_llama):
+    """A request's greedy tokens are the same alone and in a batch of 16."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=16)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [[random.Random(i).randrange(3, 49152) for _ in range(5 + 3 * i)] for i in range(16)]
+    together = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    for i in (0, 7, 15):
+        [alone] = llm.generate(prompt_token_ids=[ids[i]], sampling_params=params)
+        assert alone.outputs[0].token_ids == together[i].outputs[0].token_ids
+    assert_idle(llm.engine)
+
+
+def test_seeded_sampling_independent_of_batch_mates(tiny_llama):
+    """Same seed + prompt → same samples, whatever else is in the batch; other seeds differ."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=16)
+    prompt = [101, 2020, 3030, 4040]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
+    [alone] = llm.generate(prompt_token_ids=[prompt], sampling_params=seeded)
+    others = [
+        SamplingParams(temperature=0.8, max_tokens=m, seed=s, ignore_eos=True)
+        for m, s in [(5, None), (30, 1), (12, None)]
+    ]
+    batch = llm.generate(
+        prompt_token_ids=[[9, 8, 7], [5000] * 20, prompt, [77, 78]],
+        sampling_params=[others[0], others[1], seeded, others[2]],
+    )
+    assert batch[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    [other_seed] = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=8, ignore_eos=True),
+    )
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+    assert_idle(llm.engine)
