@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/carpool serve $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m tests.bench_policies
+	$(PY) -m cluster.bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

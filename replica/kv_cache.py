@@ -67,10 +67,11 @@ class PagedKVCache:
             keys, values: ``[num_seqs, num_kv_heads, max_blocks * block_size, head_dim]``.
         """
         num_seqs, max_blocks = block_tables.shape
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        flat_ids = block_tables.reshape(-1)
         out = []
         for cache in (self.key_cache[layer], self.value_cache[layer]):
-            blocks = cache.view(shape)[block_tables]  # [S, max_blocks, block_size, H_kv, D]
+            # index_select on [num_blocks, block_size * H_kv * D] rows: one contiguous copy per block.
+            blocks = cache.view(self.num_blocks, -1).index_select(0, flat_ids)
             out.append(
                 blocks.view(num_seqs, max_blocks * self.block_size, self.num_kv_heads, self.head_dim)
                 .transpose(1, 2)
