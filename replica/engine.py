@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cluster.config import EngineConfig
 from replica.block_manager import BlockManager
 from replica.detokenizer import IncrementalDetokenizer
+from replica.metrics import EngineMetrics
 from replica.model_loader import load_tokenizer, resolve_model_path
 from replica.model_runner import ModelRunner
 from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
@@ -46,14 +47,18 @@ class LLMEngine:
 
     Args:
         config: an :class:`~cluster.config.EngineConfig` (or its fields as keyword arguments).
+        metrics: where to record Prometheus metrics (none by default, e.g. offline use).
 
     Raises:
         ValueError: a setting cannot work with this model (e.g. ``max_model_len`` beyond the
             KV pool or the model's context length).
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, metrics: EngineMetrics | None = None, **kwargs
+    ) -> None:
         self.config = config or EngineConfig(**kwargs)
+        self.metrics = metrics
         cfg = self.config
         model_path = resolve_model_path(cfg.model)
         self.model_path = model_path
@@ -93,6 +98,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
+        self._refresh_gauges()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -122,6 +128,14 @@ class LLMEngine:
                 outside the vocabulary, ``prompt`` too long for ``max_model_len``, bad
                 ``sampling_params``.
         """
+        try:
+            return self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        except ValueError:
+            if self.metrics is not None:
+                self.metrics.on_rejected()
+            raise
+
+    def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time) -> Request:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -170,6 +184,7 @@ class LLMEngine:
         self._detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params, request.eos_token_ids
         )
+        self._refresh_gauges()
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Abort a waiting or running request; its seat and blocks are free on return.
@@ -181,6 +196,9 @@ class LLMEngine:
             return None
         request.finished_time = time.monotonic()
         self._detokenizers.pop(request_id, None)
+        if self.metrics is not None:
+            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
+        self._refresh_gauges()
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
@@ -189,14 +207,19 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one iteration; return a delta for every request that produced a token."""
+        started = time.monotonic()
         out = self.scheduler.schedule()
         self.last_step_output = out
         if out.is_empty:
             return []
-        now = time.monotonic()
+        metrics = self.metrics
+        seats_taken = self.scheduler.num_seats_taken  # during this step, before finishes free seats
         for sched in out.scheduled:
-            if sched.request.first_scheduled_time is None:
-                sched.request.first_scheduled_time = now
+            request = sched.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = started
+                if metrics is not None:
+                    metrics.on_first_scheduled(started - request.arrival_time)
         result = self.runner.execute(out)
         logprobs_of = {
             id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
@@ -205,8 +228,16 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for request in produced:
-            if request.first_token_time is None:
+            first = request.first_token_time is None
+            if first:
                 request.first_token_time = now
+            if metrics is not None:
+                if first:
+                    metrics.on_prompt_prefilled(request.num_prompt_tokens)
+                metrics.on_token(
+                    first=first, since_previous_s=now - (request.arrival_time if first else request.last_token_time)
+                )
+            request.last_token_time = now
             token_id = request.output_token_ids[-1]
             detokenizer = self._detokenizers[request.request_id]
             update = detokenizer.update([token_id], finished=request.is_finished)
@@ -218,9 +249,31 @@ class LLMEngine:
             if request.is_finished:
                 request.finished_time = now
                 self._detokenizers.pop(request.request_id, None)
+                if metrics is not None:
+                    metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
             lp = logprobs_of.get(id(request))
             outputs.append(self._output(request, [token_id], update.delta_text, [lp] if lp else None))
+        if metrics is not None:
+            metrics.on_step(
+                num_tokens=out.num_batched_tokens,
+                num_running=seats_taken,
+                num_slots=self.scheduler.max_num_seqs,
+                duration_s=time.monotonic() - started,
+                num_preempted=len(out.preempted),
+            )
+        self._refresh_gauges()
         return outputs
+
+    def _refresh_gauges(self) -> None:
+        if self.metrics is not None:
+            stats = self.stats()
+            self.metrics.on_state(
+                num_slots=stats.num_slots,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                num_free_blocks=stats.num_free_blocks,
+                num_total_blocks=stats.num_total_blocks,
+            )
 
     def _output(
         self, request: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None

@@ -197,6 +197,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     # Static policy only: finished, but keeps its seat and row until its batch ends.
     is_padding: bool = False

@@ -1,0 +1,90 @@
+"""Engine-level metric updates, read back from the engine's own Prometheus registry."""
+
+from __future__ import annotations
+
+from replica.engine import LLMEngine
+from replica.metrics import EngineMetrics
+from replica.request import SamplingParams
+from tests.helpers import assert_idle
+
+LABELS = {"model_name": "tiny", "replica": "r0"}
+
+
+def value(metrics: EngineMetrics, name: str, **extra) -> float:
+    v = metrics.registry.get_sample_value(name, {**LABELS, **extra})
+    assert v is not None, f"no sample {name} {extra}"
+    return v
+
+
+def make_engine(path, **kwargs):
+    metrics = EngineMetrics("tiny", "r0")
+    engine = LLMEngine(model=path, dtype="float32", metrics=metrics, **kwargs)
+    return engine, metrics
+
+
+def run_all(engine):
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_counts_tokens_latencies_and_finish_reasons_once(tiny_llama):
+    engine, m = make_engine(tiny_llama, max_num_seqs=4)
+    assert value(m, "carpool:num_slots") == 4
+    lengths = [3, 5, 1, 8, 2]
+    prompts = [[10 + i] * (4 + i) for i in range(5)]
+    for ids, n in zip(prompts, lengths):
+        engine.add_request(None, prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=n, ignore_eos=True, temperature=0))
+    assert value(m, "carpool:num_requests_waiting") == 5
+    run_all(engine)
+    assert value(m, "carpool:prompt_tokens_total") == sum(len(p) for p in prompts)
+    assert value(m, "carpool:generation_tokens_total") == sum(lengths)
+    # TTFT once per request; ITL once per later token.
+    assert value(m, "carpool:time_to_first_token_seconds_count") == 5
+    assert value(m, "carpool:inter_token_latency_seconds_count") == sum(lengths) - 5
+    assert value(m, "carpool:e2e_request_latency_seconds_count") == 5
+    assert value(m, "carpool:request_queue_time_seconds_count") == 5
+    assert value(m, "carpool:request_success_total", finished_reason="length") == 5
+    assert value(m, "carpool:request_success_total", finished_reason="stop") == 0
+    steps = engine.scheduler.step_count
+    assert value(m, "carpool:iteration_tokens_total_count") == steps
+    assert value(m, "carpool:iteration_tokens_total_sum") == sum(len(p) for p in prompts) + sum(lengths) - 5
+    assert value(m, "carpool:batch_occupancy_count") == steps
+    # Gauges back to idle.
+    assert value(m, "carpool:num_requests_running") == 0
+    assert value(m, "carpool:num_requests_waiting") == 0
+    assert value(m, "carpool:kv_cache_usage_perc") == 0
+    assert value(m, "carpool:kv_cache_blocks_free") == value(m, "carpool:kv_cache_blocks_total")
+    assert_idle(engine)
+
+
+def test_aborts_preemptions_and_rejections(tiny_llama):
+    engine, m = make_engine(tiny_llama, max_num_seqs=8, num_blocks=6, max_model_len=96)
+    params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+    ids = [engine.add_request(None, prompt_token_ids=[5 + i] * 20, sampling_params=params).request_id for i in range(4)]
+    for _ in range(3):
+        engine.step()
+    assert value(m, "carpool:num_requests_running") > 0
+    assert 0 < value(m, "carpool:kv_cache_usage_perc") <= 1
+    engine.abort(ids[0])
+    engine.abort(ids[0])  # a second abort of the same request counts nothing
+    try:
+        engine.add_request(None, prompt_token_ids=[], sampling_params=params)
+    except ValueError:
+        pass
+    run_all(engine)
+    assert value(m, "carpool:request_success_total", finished_reason="abort") == 1
+    assert value(m, "carpool:requests_aborted_total") == 1
+    assert value(m, "carpool:requests_rejected_total") == 1
+    assert value(m, "carpool:request_success_total", finished_reason="length") == 3
+    assert engine.scheduler.num_preemptions > 0
+    assert value(m, "carpool:num_preemptions_total") == engine.scheduler.num_preemptions
+    assert value(m, "carpool:num_requests_running") == 0
+    assert value(m, "carpool:kv_cache_usage_perc") == 0
+    assert_idle(engine)
+
+
+def test_exposition_has_prefix_and_labels(tiny_llama):
+    engine, m = make_engine(tiny_llama)
+    text = m.exposition().decode()
+    assert 'carpool:num_requests_running{model_name="tiny",replica="r0"} 0.0' in text
+    assert "carpool:time_to_first_token_seconds_bucket" in text
