@@ -119,12 +119,14 @@ class ServeConfig(BaseModel):
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
 
-    @field_validator("replicas")
+    @field_validator("replicas", mode="before")
     @classmethod
-    def _check_replicas(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"must be at least 1 or 'auto', got {value}")
-        return value
+    def _check_replicas(cls, value: object) -> int | str:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"must be a positive integer or 'auto', got {value!r}")
 
     @property
     def model_name(self) -> str:

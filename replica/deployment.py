@@ -47,6 +47,7 @@ class LLMReplica:
         self.config = config
         self.engine = AsyncLLMEngine(config)
         self._inflight = 0  # generate() calls between their first and last line
+        self._num_requests = 0  # generate() calls since start
         self._replica_id = _replica_id()
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
@@ -67,6 +68,7 @@ class LLMReplica:
                 fails and Serve restarts this replica).
         """
         self._inflight += 1
+        self._num_requests += 1
         try:
             async for delta in self.engine.generate(
                 request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params
@@ -102,6 +104,7 @@ class LLMReplica:
             "num_preemptions": s.num_preemptions,
             "num_steps": s.num_steps,
             "inflight": self._inflight,
+            "num_requests": self._num_requests,
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -110,7 +113,7 @@ class LLMReplica:
         Keys: ``num_slots`` (seats = ``max_num_seqs``), ``num_running``, ``num_waiting``,
         ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``kv_cache_usage`` (0-1),
         ``num_preemptions``, ``num_steps``, ``inflight`` (requests this replica is streaming),
-        ``replica`` (id).
+        ``num_requests`` (requests received since start), ``replica`` (Serve replica id).
         """
         return self._stats_dict()
 

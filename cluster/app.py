@@ -1,0 +1,121 @@
+"""Bind the replica deployment and the HTTP ingress into one Serve application; start or join Ray.
+
+``build_app(config)`` returns the Serve ``Application`` (ingress bound to the replicas);
+``start_ray(config)`` starts a local Ray cluster or joins ``config.address``;
+``run(config)`` does both plus ``serve.start``/``serve.run`` and returns the API's base URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+from cluster.config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+REPLICA_DEPLOYMENT = "LLMReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
+    """Start a local Ray cluster (``address=None``) or join ``config.address``; no-op if connected.
+
+    Extra keyword arguments go to ``ray.init`` (e.g. ``num_cpus`` for a local cluster).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if config.address:
+        ray.init(address=config.address, **init_kwargs)
+    else:
+        init_kwargs.setdefault("include_dashboard", config.include_dashboard)
+        ray.init(address="local", **init_kwargs)
+
+
+def resolve_replicas(config: ServeConfig) -> int:
+    """The replica count: ``config.replicas``, or for ``auto`` one per GPU in the cluster when the
+    device is CUDA and one per CPU core (``num_cpus_per_replica`` cores each) otherwise.
+    Needs a connected Ray cluster for ``auto``."""
+    if config.replicas != "auto":
+        return int(config.replicas)
+    import ray
+
+    resources = ray.cluster_resources()
+    if config.engine.device.startswith("cuda"):
+        gpus = int(resources.get("GPU", 0))
+        if gpus < 1:
+            raise ValueError("replicas=auto with device=cuda, but the Ray cluster has no GPU")
+        return gpus
+    return max(1, math.floor(resources.get("CPU", os.cpu_count() or 1) / config.num_cpus_per_replica))
+
+
+def build_app(config: ServeConfig, num_replicas: int | None = None):
+    """The Serve application: an ``OpenAIIngress`` bound to ``num_replicas`` ``LLMReplica``\\ s.
+
+    Args:
+        config: serving settings.
+        num_replicas: overrides :func:`resolve_replicas` (which needs Ray for ``auto``).
+    Returns:
+        a ``ray.serve.Application`` for ``serve.run``.
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from replica.deployment import LLMReplica
+    from router.ingress import OpenAIIngress
+    from router.policy import CarpoolRequestRouter
+
+    replicas = num_replicas if num_replicas is not None else resolve_replicas(config)
+    engine = config.engine
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    if engine.device.startswith("cuda"):
+        actor_options["num_gpus"] = 1
+    threads = max(1, math.floor(config.num_cpus_per_replica))
+    replica = serve.deployment(
+        LLMReplica,
+        name=REPLICA_DEPLOYMENT,
+        num_replicas=replicas,
+        max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options=actor_options,
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=CarpoolRequestRouter,
+            request_routing_stats_period_s=config.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(5.0, 4 * config.routing_stats_period_s),
+        ),
+    ).bind(engine.model_dump(), threads)
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=config.ingress_replicas,
+        # Every open HTTP stream is one ongoing request of the ingress.
+        max_ongoing_requests=max(4096, 4 * config.max_ongoing_requests),
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=5.0,
+    ).bind(replica, config.model_dump())
+    return ingress
+
+
+def run(config: ServeConfig) -> str:
+    """Start or join Ray, start Serve's HTTP proxy on ``config.host:config.port``, deploy the app
+    and wait until every replica has loaded its model. Returns the base URL (``http://host:port/v1``).
+    """
+    from ray import serve
+
+    start_ray(config)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    replicas = resolve_replicas(config)
+    logger.info("deploying %d replica(s) of %s", replicas, config.engine.model)
+    serve.run(build_app(config, replicas), name=config.app_name, route_prefix="/")
+    return base_url(config)
+
+
+def base_url(config: ServeConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "::", "") else config.host
+    return f"http://{host}:{config.port}/v1"

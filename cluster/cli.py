@@ -1,0 +1,216 @@
+"""The ``carpool`` command (a typer group).
+
+``carpool serve`` starts (or joins) a Ray cluster and serves the OpenAI-compatible API until
+Ctrl-C or SIGTERM. Settings come from defaults, then ``--config FILE`` (YAML or JSON, the fields of
+:class:`~cluster.config.ServeConfig`), then command-line options; the result is validated before
+anything starts, and a bad value is reported by its field name (exit status 2).
+
+More subcommands (e.g. ``carpool bench``) attach to :data:`app` with ``@app.command()`` or
+``app.add_typer(sub_app, name="bench")``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from pydantic import ValidationError
+
+from cluster.config import ServeConfig
+
+app = typer.Typer(
+    name="carpool",
+    help="Carpool: an LLM serving cluster on Ray Serve (continuous batching, paged KV cache).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _group() -> None:
+    """Carpool: an LLM serving cluster on Ray Serve (continuous batching, paged KV cache)."""
+
+
+try:  # ``carpool bench ...`` (cluster/bench; its heavy imports happen only when a command runs)
+    from cluster.bench.cli import bench_app
+except ImportError:  # pragma: no cover - the bench package is optional
+    bench_app = None
+if bench_app is not None:
+    app.add_typer(bench_app, name="bench")
+
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"`` → 2147483648, ``"500MB"`` → 500000000, ``"1e9"`` → 1000000000.
+
+    Raises ``ValueError`` for anything else.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 2GB)")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML (``.yaml``/``.yml``) or JSON file into a dict. Raises ``ValueError``."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as exc:
+        raise ValueError(f"config file {path} is not valid {'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per bad field: ``engine.max_num_seqs: Input should be greater than or equal to 1 (got 0)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        given = err.get("input")
+        shown = "" if isinstance(given, dict) or err["type"] in ("missing", "value_error") else f" (got {given!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def build_config(file: Path | None, overrides: dict[str, Any], engine_overrides: dict[str, Any]) -> ServeConfig:
+    """Defaults < config file < command-line options; raises ``ValueError``/``ValidationError``."""
+    data = load_config_file(file) if file is not None else {}
+    engine = data.get("engine") or {}
+    if not isinstance(engine, dict):
+        raise ValueError("engine: must be a mapping of engine settings")
+    engine = {**engine, **{k: v for k, v in engine_overrides.items() if v is not None}}
+    data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    if engine:
+        data["engine"] = engine
+    return ServeConfig(**data)
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML or JSON file with ServeConfig fields (engine settings under 'engine:')."),
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder of a decoder-only model (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: Optional[str] = typer.Option(None, help="auto (bfloat16), bfloat16, float16 or float32."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cpu)."),
+    replicas: Optional[str] = typer.Option(None, help="Replica count, or 'auto': one per GPU (CUDA) or per CPU core (default: auto)."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", "--seats", help="Seats per replica: requests in one batch (default: 32)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV cache budget per replica, bytes or with a unit (1GiB, 512MiB) (default: 1GiB on CPU)."),
+    num_blocks: Optional[int] = typer.Option(None, help="KV blocks per replica (overrides --kv-cache-memory)."),
+    max_model_len: Optional[int] = typer.Option(None, help="Prompt + output tokens per request at most (default: the model's, capped by the KV pool)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget of one engine step (default: 512)."),
+    scheduling_policy: Optional[str] = typer.Option(None, help="continuous or static (default: continuous)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
+    host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="HTTP port (default: 8000)."),
+    api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
+    address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
+    dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
+) -> None:
+    """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    try:
+        kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+    except ValueError as exc:
+        _fail(f"engine.kv_cache_memory: {exc}")
+    engine_overrides = {
+        "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
+        "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
+    }
+    overrides = {
+        "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
+        "api_key": api_key, "address": address, "include_dashboard": dashboard,
+    }
+    try:
+        cfg = build_config(config, overrides, engine_overrides)
+    except ValidationError as exc:
+        _fail("invalid settings:\n" + format_validation_error(exc))
+    except ValueError as exc:
+        _fail(str(exc))
+    serve_forever(cfg)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"carpool: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def serve_forever(cfg: ServeConfig) -> None:
+    """Start Ray and the app, print the URL, block until Ctrl-C/SIGTERM, then stop cleanly."""
+    from cluster import app as carpool_app
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+
+    typer.echo(f"carpool: starting {'Ray (joining ' + cfg.address + ')' if cfg.address else 'a local Ray cluster'} ...", err=True)
+    try:
+        url = carpool_app.run(cfg)
+    except KeyboardInterrupt:
+        typer.echo("carpool: interrupted while starting", err=True)
+        _shutdown(cfg)
+        raise typer.Exit(code=130)
+    except Exception as exc:
+        typer.echo(f"carpool: failed to start: {exc}", err=True)
+        _shutdown(cfg)
+        raise typer.Exit(code=1)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    typer.echo(f"Carpool is serving {cfg.model_name} at {url}  (Ctrl-C stops it)")
+    sys.stdout.flush()
+    while not stop.wait(0.5):
+        pass
+    typer.echo("carpool: stopping ...", err=True)
+    _shutdown(cfg)
+    typer.echo("carpool: stopped", err=True)
+
+
+def _shutdown(cfg: ServeConfig) -> None:
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        return
+    try:
+        if cfg.address:  # a shared cluster: remove only our application
+            serve.delete(cfg.app_name)
+        else:
+            serve.shutdown()
+    except Exception as exc:  # already gone
+        typer.echo(f"carpool: during shutdown: {exc}", err=True)
+    ray.shutdown()
+
+
+def main() -> None:
+    """Console-script entry point (``carpool``)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,620 @@
+"""The HTTP ingress: an OpenAI-compatible API (FastAPI) deployed on Ray Serve.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``. Each request is validated (pydantic models in :mod:`router.protocol`), its chat
+template applied and its prompt tokenized **once, here**; the replicas receive token ids. A request
+with ``n`` choices (or several prompts) becomes one replica request per choice, choice ``i`` of a
+seeded request using ``seed + i``. Replica outputs arrive through a ``DeploymentHandle`` with
+``stream=True`` and leave as one JSON body or as server-sent events ending in ``data: [DONE]``.
+
+Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+body or parameter (the message names the field), 401 for a missing or wrong API key, 404 for an
+unknown model or path, 503 when no replica can serve. A client's mistake never yields a 500.
+
+When the HTTP client goes away mid-stream, Serve cancels this handler; the ``finally`` blocks
+cancel every replica stream of the request, and each replica aborts its engine request.
+"""
+
+# No "from __future__ import annotations": Serve rebuilds the route signatures and must see real types.
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.config import ServeConfig
+from replica.request import SamplingParams, StepOutput, TokenLogprobs
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
+
+app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def _error_response(err: OpenAIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return _error_response(exc)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _error_response(validation_error(exc.errors()))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error_response(OpenAIError(message, exc.status_code, code=code))
+
+
+def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
+    """Turn pydantic/FastAPI validation errors into one 400 naming the first bad field."""
+    if not errors:
+        return OpenAIError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return OpenAIError(f"request body is not valid JSON: {ctx.get('error', first.get('msg'))}", code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if param is None and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return OpenAIError("request body must be a JSON object", code="invalid_body")
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return OpenAIError(f"{param}: {msg}{more}" if param else msg + more, param=param, code="invalid_value")
+
+
+def _sampling_error(exc: ValueError) -> OpenAIError:
+    """A ``ValueError`` from ``SamplingParams``/the engine; its message starts with the field name."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if first.isidentifier() else None
+    return OpenAIError(message, param=param, code="invalid_value")
+
+
+# ---- auth ----------------------------------------------------------------------------------------
+async def check_api_key(request: Request) -> None:
+    """Require ``Authorization: Bearer <api_key>`` when the server has an API key (constant-time compare)."""
+    expected: str | None = getattr(request.app.state, "api_key", None)
+    if not expected:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise OpenAIError("missing or invalid API key (Authorization: Bearer ...)", 401, code="invalid_api_key")
+
+
+# ---- one choice's accumulated output -------------------------------------------------------------
+class _Choice:
+    __slots__ = ("index", "prompt_index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_output_tokens")
+
+    def __init__(self, index: int, prompt_index: int) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_output_tokens = 0
+
+    def add(self, delta: StepOutput) -> None:
+        self.text.append(delta.new_text)
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+class _Prepared:
+    """A validated request: prompts as token ids and one SamplingParams per choice."""
+
+    def __init__(self, request_id: str, model: str, prompts: list[list[int]], prompt_texts: list[str], params: list[list[SamplingParams]]):
+        self.request_id = request_id
+        self.model = model
+        self.prompts = prompts
+        self.prompt_texts = prompt_texts
+        self.params = params  # params[prompt_index][j]
+        self.created = int(time.time())
+
+    def jobs(self) -> list[tuple[int, int, list[int], SamplingParams]]:
+        """(choice index, prompt index, prompt ids, params); choice index = prompt_index * n + j."""
+        out = []
+        for p, (ids, per_prompt) in enumerate(zip(self.prompts, self.params)):
+            for j, params in enumerate(per_prompt):
+                out.append((p * len(per_prompt) + j, p, ids, params))
+        return out
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+class _StreamError(Exception):
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _finite(value: float) -> float:
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def _replica_error(exc: BaseException) -> OpenAIError:
+    """Map an exception raised while streaming from a replica to an OpenAI error.
+
+    ``ValueError`` (the engine refused the request) → 400; anything else (replica died, engine
+    loop dead, request cancelled by the system) → 503, so that clients retry.
+    """
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ValueError):
+        cause = getattr(exc, "cause", None)
+        return _sampling_error(cause if isinstance(cause, ValueError) else exc)
+    logger.warning("replica request failed: %r", exc)
+    return OpenAIError(f"the replica could not complete the request: {type(exc).__name__}", 503, type="service_unavailable_error", code="unavailable")
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    """Serve deployment body (options are set in :func:`cluster.app.build_app`).
+
+    Args:
+        replica: handle of the ``LLMReplica`` deployment.
+        config: the :class:`~cluster.config.ServeConfig` as a dict.
+    """
+
+    def __init__(self, replica: DeploymentHandle, config: dict[str, Any]) -> None:
+        from replica.model_loader import load_tokenizer, resolve_model_path
+
+        self.config = ServeConfig(**config)
+        self.model_name = self.config.model_name
+        self.replica = replica
+        self.stream_handle = replica.options(stream=True)
+        engine = self.config.engine
+        self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model))
+        self._info: dict[str, Any] | None = None
+        self._token_text: dict[int, str] = {}
+        app.state.api_key = self.config.api_key
+        self._health_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 once every replica of the deployment is running and healthy; 503 before (and
+        whenever Serve reports the replica deployment as not healthy)."""
+        ok, detail = await self._replicas_healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    async def models(self) -> dict[str, Any]:
+        info = await self._model_info()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "carpool",
+                    "root": self.config.engine.model,
+                    "max_model_len": info["max_model_len"],
+                }
+            ],
+        }
+
+    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    async def completions(self, body: CompletionRequest):
+        self._check_common(body)
+        if body.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix", code="unsupported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise OpenAIError("best_of other than n is not supported", param="best_of", code="unsupported")
+        if body.echo and body.logprobs is not None:
+            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo", code="unsupported")
+        info = await self._model_info()
+        prompts, texts = [], []
+        for i, p in enumerate(body.prompt):
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=True)
+                texts.append(p)
+            else:
+                ids = list(p)
+                texts.append(self.tokenizer.decode(ids) if body.echo else "")
+            param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
+            self._check_prompt(ids, info, param)
+            prompts.append(ids)
+        prepared = self._prepare("cmpl", body, prompts, texts, body.max_tokens, body.logprobs, info)
+        if body.stream:
+            return self._sse(self._completion_stream(prepared, body))
+        choices = await self._run_all(prepared)
+        return self._completion_body(prepared, body, choices)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_common(body)
+        if body.tools:
+            raise OpenAIError("tools are not supported", param="tools", code="unsupported")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format", code="unsupported")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        info = await self._model_info()
+        ids = self._apply_chat_template(body)
+        self._check_prompt(ids, info, "messages")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info)
+        if body.stream:
+            return self._sse(self._chat_stream(prepared, body))
+        choices = await self._run_all(prepared)
+        return self._chat_body(prepared, body, choices)
+
+    # ---- validation and preparation ----------------------------------------------------------
+    def _check_common(self, body: _SamplingRequest) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, param="model", code="model_not_found")
+        if body.n > self.config.max_n:
+            raise OpenAIError(f"n: must be at most {self.config.max_n}, got {body.n}", param="n", code="invalid_value")
+        if body.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias", code="unsupported")
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str) -> None:
+        vocab = info["vocab_size"]
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise OpenAIError(f"{param}: token id {t} is outside the vocabulary [0, {vocab})", param=param, code="invalid_value")
+        if len(ids) >= info["max_model_len"]:
+            raise OpenAIError(
+                f"This model's maximum context length is {info['max_model_len']} tokens; the prompt "
+                f"has {len(ids)} tokens, which leaves no room for output. Please shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _apply_chat_template(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        for m in messages:
+            m.setdefault("content", "")
+        kwargs = dict(body.chat_template_kwargs or {})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                **kwargs,
+            )
+        except Exception as exc:  # jinja errors, e.g. a role the template rejects
+            raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _prepare(
+        self,
+        kind: str,
+        body: _SamplingRequest,
+        prompts: list[list[int]],
+        texts: list[str],
+        max_tokens: int | None,
+        logprobs: int | None,
+        info: dict[str, Any],
+    ) -> _Prepared:
+        limit = info["max_model_len"]
+        params: list[list[SamplingParams]] = []
+        for i, ids in enumerate(prompts):
+            room = limit - len(ids)
+            if max_tokens is None:
+                tokens = room
+            elif len(ids) + max_tokens > limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                    "completion). Please reduce the prompt or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            else:
+                tokens = max_tokens
+            per_prompt = []
+            for j in range(body.n):
+                try:
+                    per_prompt.append(
+                        SamplingParams(
+                            n=1,
+                            max_tokens=tokens,
+                            min_tokens=min(body.min_tokens, tokens),
+                            temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p,
+                            top_k=0 if body.top_k is None else body.top_k,
+                            min_p=0.0 if body.min_p is None else body.min_p,
+                            presence_penalty=body.presence_penalty or 0.0,
+                            frequency_penalty=body.frequency_penalty or 0.0,
+                            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                            seed=None if body.seed is None else body.seed + j,
+                            stop=list(body.stop or []),
+                            stop_token_ids=list(body.stop_token_ids or []),
+                            ignore_eos=body.ignore_eos,
+                            logprobs=logprobs,
+                            include_stop_str_in_output=body.include_stop_str_in_output,
+                            skip_special_tokens=body.skip_special_tokens,
+                        )
+                    )
+                except ValueError as exc:
+                    raise _sampling_error(exc) from None
+            params.append(per_prompt)
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        return _Prepared(request_id, self.model_name, prompts, texts, params)
+
+    async def _model_info(self) -> dict[str, Any]:
+        """Limits from a replica (``max_model_len`` depends on its KV pool); fetched once."""
+        if self._info is None:
+            try:
+                self._info = await self.replica.model_info.remote()
+            except Exception as exc:
+                raise OpenAIError(f"no replica is available: {exc}", 503, type="service_unavailable_error", code="unavailable") from None
+        return self._info
+
+    async def _replicas_healthy(self) -> tuple[bool, str]:
+        now = time.monotonic()
+        checked, ok, detail = self._health_cache
+        if now - checked < 1.0:
+            return ok, detail
+        try:
+            status = await asyncio.to_thread(serve.status)
+            context = serve.get_replica_context()
+            deployment = status.applications[context.app_name].deployments["LLMReplica"]
+            running = deployment.replica_states.get("RUNNING", 0)
+            ok = str(deployment.status).endswith("HEALTHY") and not str(deployment.status).endswith("UNHEALTHY") and running > 0
+            detail = f"replicas: {deployment.status} ({running} running)"
+        except Exception as exc:
+            ok, detail = False, f"status unavailable: {exc!r}"
+        self._health_cache = (now, ok, detail)
+        return ok, detail
+
+    # ---- running on the replicas -------------------------------------------------------------
+    async def _stream_choices(self, prepared: _Prepared) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Fan the request out (one replica request per choice) and yield ``(choice index, delta)``
+        as deltas arrive. Closing this generator cancels every replica request still running."""
+        jobs = prepared.jobs()
+        streams = []
+        for index, _, ids, params in jobs:
+            rid = f"{prepared.request_id}-{index}"
+            streams.append((index, self.stream_handle.generate.remote(rid, ids, params)))
+        if len(streams) == 1:
+            index, gen = streams[0]
+            try:
+                async for delta in gen:
+                    yield index, delta
+            finally:
+                gen.cancel()
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, gen) -> None:
+            try:
+                async for delta in gen:
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, done))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # delivered to the consumer
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(index, gen)) for index, gen in streams]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for _, gen in streams:
+                gen.cancel()
+
+    async def _run_all(self, prepared: _Prepared) -> list[_Choice]:
+        choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
+        try:
+            async for index, delta in self._stream_choices(prepared):
+                choices[index].add(delta)
+        except Exception as exc:
+            raise _replica_error(exc) from None
+        return [choices[i] for i in sorted(choices)]
+
+    # ---- response bodies ---------------------------------------------------------------------
+    def _usage(self, prepared: _Prepared, choices) -> dict[str, int]:
+        completion = sum(c.num_output_tokens for c in choices)
+        return {
+            "prompt_tokens": prepared.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prepared.num_prompt_tokens + completion,
+        }
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = text
+        return text
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            token = self._token_str(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(_finite(lp.logprob))
+            top = {self._token_str(t): _finite(v) for t, v in lp.top}
+            top.setdefault(token, _finite(lp.logprob))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            token = self._token_str(token_id)
+            return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
+
+        return [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]
+
+    def _completion_body(self, prepared: _Prepared, body: CompletionRequest, choices: list[_Choice]) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            prefix = prepared.prompt_texts[c.prompt_index] if body.echo else ""
+            text = "".join(c.text)
+            out.append(
+                {
+                    "index": c.index,
+                    "text": prefix + text,
+                    "logprobs": self._completion_logprobs(c.logprobs, len(prefix)) if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return {
+            "id": prepared.request_id,
+            "object": "text_completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": out,
+            "usage": self._usage(prepared, choices),
+        }
+
+    def _chat_body(self, prepared: _Prepared, body: ChatCompletionRequest, choices: list[_Choice]) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            out.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return {
+            "id": prepared.request_id,
+            "object": "chat.completion",
+            "created": prepared.created,
+            "model": prepared.model,
+            "choices": out,
+            "usage": self._usage(prepared, choices),
+        }
+
+    # ---- streaming -----------------------------------------------------------------------------
+    def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        async def frames() -> AsyncIterator[str]:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def _guarded(self, prepared: _Prepared) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Like ``_stream_choices``, but replica errors become one OpenAI error event."""
+        try:
+            async for item in self._stream_choices(prepared):
+                yield item
+        except Exception as exc:
+            raise _StreamError(_replica_error(exc)) from None
+
+    async def _completion_stream(self, prepared: _Prepared, body: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            event = {"id": prepared.request_id, "object": "text_completion", "created": prepared.created, "model": prepared.model, "choices": choices}
+            if usage is not None:
+                event["usage"] = usage
+            return event
+
+        choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
+        offsets = {index: 0 for index in choices}
+        try:
+            if body.echo:
+                echoed = []
+                for index, c in choices.items():
+                    prefix = prepared.prompt_texts[c.prompt_index]
+                    offsets[index] = len(prefix)
+                    echoed.append({"index": index, "text": prefix, "logprobs": None, "finish_reason": None})
+                yield chunk(echoed)
+            async for index, delta in self._guarded(prepared):
+                c = choices[index]
+                c.add(delta)
+                if not delta.new_text and not delta.finished and not (body.logprobs is not None and delta.new_logprobs):
+                    continue
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                yield chunk([{
+                    "index": index,
+                    "text": delta.new_text,
+                    "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason if delta.finished else None,
+                    "stop_reason": delta.stop_reason if delta.finished else None,
+                }])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], self._usage(prepared, choices.values()))
+        except _StreamError as exc:
+            yield exc.error.body()
+
+    async def _chat_stream(self, prepared: _Prepared, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            event = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model, "choices": choices}
+            if usage is not None:
+                event["usage"] = usage
+            return event
+
+        choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
+        try:
+            for index in choices:
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            async for index, delta in self._guarded(prepared):
+                choices[index].add(delta)
+                if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs):
+                    continue
+                yield chunk([{
+                    "index": index,
+                    "delta": {"content": delta.new_text} if delta.new_text or not delta.finished else {},
+                    "logprobs": {"content": self._chat_logprobs(delta.new_logprobs or [])} if body.logprobs else None,
+                    "finish_reason": delta.finish_reason if delta.finished else None,
+                    "stop_reason": delta.stop_reason if delta.finished else None,
+                }])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], self._usage(prepared, choices.values()))
+        except _StreamError as exc:
+            yield exc.error.body()

@@ -1,0 +1,144 @@
+"""End-to-end fixtures: one local Ray cluster per test session, one Serve app per module.
+
+* ``ray_cluster`` (session): ``ray.init`` with 2 CPUs and no dashboard, Serve's HTTP proxy on a
+  free port of 127.0.0.1; shut down at the end of the session.
+* ``deploy(config, replicas)`` (session): deploys ``cluster.app.build_app(config)`` as an app
+  and returns a :class:`Served` (base URL, ``openai`` client, per-replica stats). Modules wrap it
+  in a module-scoped ``served`` fixture and the app is deleted when the module ends.
+* After every test that uses ``served``: every replica must come back to 0 running, 0 waiting,
+  all KV blocks free, and pass the engine's ``check_integrity()``.
+
+Replica stats are read straight from each replica actor (``record_routing_stats``, the hook that
+Serve's controller polls), so a test sees every replica, not whichever one a handle picks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from contextlib import contextmanager
+
+import pytest
+
+E2E_TIMEOUT_S = 240
+
+
+def pytest_configure(config):
+    # Ray Serve's own pydantic models use deprecated Field arguments; not ours to fix.
+    config.addinivalue_line("filterwarnings", "ignore:Using extra keyword arguments on `Field`:DeprecationWarning")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A deployed Carpool app as a test sees it."""
+
+    def __init__(self, name: str, port: int, config) -> None:
+        import openai
+
+        self.name = name
+        self.config = config
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        self.root_url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=120)
+        self.model = config.model_name
+
+    def replica_actors(self) -> list:
+        """Actor handles of this app's LLMReplica replicas (Serve names them SERVE_REPLICA::app#LLMReplica#id)."""
+        import ray
+
+        prefix = f"SERVE_REPLICA::{self.name}#LLMReplica#"
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        return [ray.get_actor(n, namespace="serve") for n in sorted(names)]
+
+    def stats(self) -> list[dict]:
+        """Fresh stats of every replica (see ``LLMReplica.record_routing_stats``)."""
+        import ray
+
+        return ray.get([a.record_routing_stats.remote() for a in self.replica_actors()], timeout=30)
+
+    def wait_idle(self, timeout_s: float = 5.0) -> list[dict]:
+        """Poll until every replica shows 0 running, 0 waiting, all blocks free; return the stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if all(_idle(s) for s in stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"replicas not idle after {timeout_s}s: {stats}")
+            time.sleep(0.02)
+
+    def assert_idle_and_intact(self) -> None:
+        """Idle (see :meth:`wait_idle`), then each replica's health check runs the engine's
+        ``check_integrity()`` (it does so whenever the replica is idle)."""
+        import ray
+
+        stats = self.wait_idle()
+        assert stats, "no replicas found"
+        ray.get([a.check_health.remote() for a in self.replica_actors()], timeout=30)
+
+
+def _idle(s: dict) -> bool:
+    return (
+        s["num_running"] == 0
+        and s["num_waiting"] == 0
+        and s["num_free_blocks"] == s["num_total_blocks"]
+        and s["inflight"] == 0
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster (2 CPUs) with Serve's HTTP proxy on 127.0.0.1:<free port>."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy(ray_cluster):
+    """``with deploy(config, replicas=N) as served:`` deploys the app, deletes it on exit."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    @contextmanager
+    def _deploy(config, replicas: int):
+        name = config.app_name
+        serve.run(build_app(config, replicas), name=name, route_prefix="/")
+        try:
+            yield Served(name, ray_cluster, config)
+        finally:
+            serve.delete(name)
+
+    return _deploy
+
+
+@pytest.fixture(autouse=True)
+def _replicas_idle_after_test(request):
+    """After each test that uses ``served``: replicas idle, blocks free, integrity holds."""
+    yield
+    if "served" in request.fixturenames:
+        served = request.getfixturevalue("served")
+        served.assert_idle_and_intact()

@@ -1,0 +1,101 @@
+"""``carpool serve`` as users run it: a config file, its own local Ray cluster, Ctrl-C to stop.
+
+The served process starts a second, private Ray cluster (the session's cluster is idle then);
+it is started in its own process group and stopped with SIGINT to the group, as a terminal's
+Ctrl-C does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import free_port
+
+CARPOOL = str(Path(sys.executable).with_name("carpool"))
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([CARPOOL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_settings_are_reported_by_field_before_anything_starts(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas: 0\nport: 70000\nengine:\n  max_num_seqs: -1\n  scheduling_policy: fastest\n")
+    started = time.monotonic()
+    result = run_cli("serve", "--config", str(bad))
+    assert result.returncode == 2
+    for field in ("replicas", "port", "engine.max_num_seqs", "engine.scheduling_policy"):
+        assert field in result.stderr, result.stderr
+    assert "starting" not in result.stderr  # nothing started
+    assert time.monotonic() - started < 30
+
+    result = run_cli("serve", "--dtype", "float7")
+    assert result.returncode == 2 and "dtype must be one of" in result.stderr
+    result = run_cli("serve", "--kv-cache-memory", "lots")
+    assert result.returncode == 2 and "engine.kv_cache_memory" in result.stderr
+    (tmp_path / "broken.json").write_text("{not json")
+    result = run_cli("serve", "--config", str(tmp_path / "broken.json"))
+    assert result.returncode == 2 and "not valid JSON" in result.stderr
+    result = run_cli("serve", "--config", str(tmp_path / "missing.yaml"))
+    assert result.returncode == 2 and "cannot read config file" in result.stderr
+
+
+def test_carpool_serve_with_config_file_and_api_key(tmp_path):
+    port = free_port()
+    config = tmp_path / "carpool.json"
+    # CLI options override the file: the file says port 1 (would fail), --port wins.
+    config.write_text(json.dumps({"replicas": 1, "port": 1, "engine": {"dtype": "bfloat16", "max_num_seqs": 4, "num_blocks": 64, "max_model_len": 512}}))
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [CARPOOL, "serve", "--config", str(config), "--port", str(port), "--api-key", "sekrit"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while "is serving" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "carpool serve did not come up"
+            time.sleep(0.5)
+        assert f"{url}/v1" in (tmp_path / "serve.log").read_text()
+
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # no key needed
+        denied = httpx.get(url + "/v1/models", timeout=10)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=10)
+        assert wrong.status_code == 401
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="HuggingFaceTB/SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        log.close()
+    output = (tmp_path / "serve.log").read_text()
+    assert rc == 0, output[-3000:]
+    assert "carpool: stopped" in output
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
