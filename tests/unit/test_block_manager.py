@@ -1,0 +1,214 @@
+"""BlockManager: allocation, free order, ref counts, usage and the integrity check.
+
+Pure Python: this module must not import torch (the block manager is plain Python by design).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.block_manager import BlockManager
+
+
+def test_fresh_pool():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.num_free_blocks == 8
+    assert bm.num_used_blocks == 0
+    assert bm.usage == 0.0
+    assert bm.owners() == []
+    assert bm.block_table("nobody") == []
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (-1, 16), (4, 0), (4, -2)])
+def test_bad_sizes_raise(num_blocks, block_size):
+    with pytest.raises(ValueError, match="num_blocks" if num_blocks < 1 else "block_size"):
+        BlockManager(num_blocks=num_blocks, block_size=block_size)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, expected",
+    [(0, 0), (1, 1), (3, 1), (4, 1), (5, 2), (8, 2), (9, 3), (16, 4), (17, 5)],
+)
+def test_blocks_needed_is_ceiling(num_tokens, expected):
+    assert BlockManager(num_blocks=8, block_size=4).blocks_needed(num_tokens) == expected
+
+
+def test_allocate_grows_table_in_order_and_returns_only_new_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 5) == [0, 1]  # 5 tokens → 2 blocks, taken from the front of the queue
+    assert bm.block_table("a") == [0, 1]
+    assert bm.allocate("a", 8) == []  # still 2 blocks
+    assert bm.allocate("a", 6) == []  # never shrinks
+    assert bm.allocate("b", 1) == [2]
+    assert bm.allocate("a", 9) == [3]  # grows by one block, after b's
+    assert bm.block_table("a") == [0, 1, 3]
+    assert bm.block_table("b") == [2]
+    assert bm.num_used_blocks == 4 and bm.num_free_blocks == 4
+    assert bm.usage == 0.5
+    assert sorted(bm.owners()) == ["a", "b"]
+    assert bm._ref_counts == [1, 1, 1, 1, 0, 0, 0, 0]
+    bm.check_integrity()
+
+
+def test_block_table_is_a_copy():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.allocate("a", 3)
+    table = bm.block_table("a")
+    table.append(99)
+    assert bm.block_table("a") == [0, 1]
+    bm.check_integrity()
+
+
+def test_num_new_blocks_for_and_can_allocate():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.num_new_blocks_for("a", 16) == 4
+    assert bm.can_allocate("a", 16)
+    assert not bm.can_allocate("a", 17)  # 5 blocks > 4 in the pool
+    bm.allocate("a", 8)
+    assert bm.num_new_blocks_for("a", 8) == 0
+    assert bm.num_new_blocks_for("a", 9) == 1
+    assert bm.num_new_blocks_for("a", 4) == 0
+    assert bm.can_allocate("a", 16)  # 2 more needed, 2 free
+    assert not bm.can_allocate("a", 17)
+    assert bm.can_allocate("b", 8)
+    assert not bm.can_allocate("b", 9)
+
+
+def test_out_of_blocks_raises_and_changes_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.allocate("a", 8)
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate("b", 5)  # needs 2, 1 free
+    assert bm.block_table("b") == []
+    assert "b" not in bm.owners()
+    assert bm.num_free_blocks == 1
+    with pytest.raises(RuntimeError):
+        bm.allocate("a", 13)  # a needs 2 more, 1 free
+    assert bm.block_table("a") == [0, 1]
+    bm.check_integrity()
+    assert bm.allocate("b", 4) == [2]
+    assert bm.num_free_blocks == 0 and bm.usage == 1.0
+    bm.check_integrity()
+
+
+def test_free_returns_count_and_reverses_into_the_back_of_the_queue():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    bm.allocate("a", 6)  # [0, 1, 2]
+    bm.allocate("b", 2)  # [3]
+    assert bm.free("a") == 3
+    assert bm.block_table("a") == []
+    assert bm.owners() == ["b"]
+    assert bm._ref_counts == [0, 0, 0, 1, 0, 0]
+    # Free queue is now [4, 5, 2, 1, 0]: untouched blocks first, then a's blocks tail first.
+    assert list(bm._free) == [4, 5, 2, 1, 0]
+    assert bm.allocate("c", 10) == [4, 5, 2, 1, 0]
+    assert bm.num_free_blocks == 0
+    bm.check_integrity()
+
+
+def test_free_unknown_or_twice_is_a_no_op():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.free("ghost") == 0
+    bm.allocate("a", 4)
+    assert bm.free("a") == 1
+    assert bm.free("a") == 0
+    assert bm.num_free_blocks == 4
+    bm.check_integrity()
+
+
+def test_allocate_zero_tokens_gives_no_blocks():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    assert bm.allocate("a", 0) == []
+    assert bm.num_free_blocks == 2
+    assert bm.free("a") == 0
+    bm.check_integrity()
+
+
+def test_many_owners_round_trip():
+    bm = BlockManager(num_blocks=10, block_size=3)
+    sizes = {"a": 7, "b": 1, "c": 9, "d": 3}  # 3 + 1 + 3 + 1 = 8 blocks
+    for owner, n in sizes.items():
+        bm.allocate(owner, n)
+    assert bm.num_used_blocks == 8
+    assert bm.usage == pytest.approx(0.8)
+    owned = [b for owner in sizes for b in bm.block_table(owner)]
+    assert sorted(owned) == list(range(8))
+    bm.check_integrity()
+    for owner in ["c", "a", "d", "b"]:
+        bm.free(owner)
+        bm.check_integrity()
+    assert bm.num_free_blocks == 10 and bm.usage == 0.0
+    assert sorted(bm._free) == list(range(10))
+
+
+# ---- check_integrity must catch corrupted accounting ------------------------------------------
+
+
+def _two_owners() -> BlockManager:
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.allocate("a", 8)  # [0, 1]
+    bm.allocate("b", 4)  # [2]
+    bm.check_integrity()
+    return bm
+
+
+def test_integrity_catches_leaked_block():
+    bm = _two_owners()
+    # Drop b's table without returning its block: block 2 is neither free nor owned.
+    del bm._tables["b"]
+    bm._ref_counts[2] = 0
+    with pytest.raises(AssertionError, match="block 2 is neither free nor owned"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_leak_with_stale_ref_count():
+    bm = _two_owners()
+    del bm._tables["b"]  # ref count still 1, no owner
+    with pytest.raises(AssertionError, match="block 2: ref count 1 but 0 owners"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_double_owned_block():
+    bm = _two_owners()
+    bm._tables["b"].append(0)  # block 0 now listed by a and b
+    bm._ref_counts[0] = 2
+    with pytest.raises(AssertionError, match="block 0 is owned 2 times"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_double_owned_block_with_ref_count_one():
+    bm = _two_owners()
+    bm._tables["b"].append(1)
+    with pytest.raises(AssertionError, match="block 1: ref count 1 but 2 owners"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_block_listed_twice_by_one_owner():
+    bm = _two_owners()
+    bm._tables["a"].append(0)
+    with pytest.raises(AssertionError, match="'a' lists a block twice"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_block_free_and_owned():
+    bm = _two_owners()
+    bm._free.append(1)  # block 1 belongs to a, and is free too
+    with pytest.raises(AssertionError, match="block 1 is free and owned"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_block_twice_in_free_queue():
+    bm = _two_owners()
+    bm._free.append(bm._free[0])
+    with pytest.raises(AssertionError, match="twice in the free queue"):
+        bm.check_integrity()
+
+
+def test_integrity_catches_double_free():
+    bm = _two_owners()
+    # A buggy second free of b's block: it is in the queue twice.
+    bm.free("b")
+    bm._free.append(2)
+    with pytest.raises(AssertionError):
+        bm.check_integrity()
