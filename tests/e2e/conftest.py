@@ -1,8 +1,9 @@
 """End-to-end fixtures: one local Ray cluster per test session, one Serve app per module.
 
-* ``ray_cluster`` (session): ``ray.init`` with 2 CPUs and no dashboard, Serve's HTTP proxy on a
-  free port of 127.0.0.1; shut down at the end of the session.
-* ``deploy(config, replicas)`` (session): deploys ``cluster.app.build_app(config)`` as an app
+* ``ray_cluster``: ``ray.init`` with 2 CPUs and no dashboard, Serve's HTTP proxy on a free port
+  of 127.0.0.1. Package scope: one cluster for the whole e2e suite in a session, shut down when
+  the suite ends, so that it does not idle through the other test directories.
+* ``deploy(config, replicas)``: deploys ``cluster.app.build_app(config)`` as an app
   and returns a :class:`Served` (base URL, ``openai`` client, per-replica stats). Modules wrap it
   in a module-scoped ``served`` fixture and the app is deleted when the module ends.
 * After every test that uses ``served``: every replica must come back to 0 running, 0 waiting,
@@ -99,7 +100,7 @@ def _idle(s: dict) -> bool:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     """One local Ray cluster (2 CPUs) with Serve's HTTP proxy on 127.0.0.1:<free port>."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -116,7 +117,7 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def deploy(ray_cluster):
     """``with deploy(config, replicas=N) as served:`` deploys the app, deletes it on exit."""
     from ray import serve
