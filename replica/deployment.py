@@ -78,6 +78,38 @@ class LLMReplica:
             # Cancellation (client gone) lands here too: closing engine.generate queued the abort.
             self._inflight -= 1
 
+    async def generate_all(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> StepOutput:
+        """Run one request to the end and return its whole output as one :class:`StepOutput`
+        (all tokens, text and logprobs; ``finished=True``).
+
+        For non-streaming callers: one message per request instead of one per token. Errors as
+        :meth:`generate`; cancelling the call aborts the request.
+        """
+        token_ids: list[int] = []
+        text: list[str] = []
+        logprobs: list = []
+        last: StepOutput | None = None
+        async for delta in self.generate(request_id, prompt_token_ids, sampling_params):
+            token_ids.extend(delta.new_token_ids)
+            text.append(delta.new_text)
+            if delta.new_logprobs:
+                logprobs.extend(delta.new_logprobs)
+            last = delta
+        assert last is not None and last.finished
+        return StepOutput(
+            request_id=request_id,
+            new_token_ids=token_ids,
+            new_text="".join(text),
+            new_logprobs=logprobs if sampling_params.logprobs is not None else None,
+            finished=True,
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_output_tokens=last.num_output_tokens,
+        )
+
     async def model_info(self) -> dict[str, Any]:
         """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
         ``eos_token_ids``, ``max_num_seqs``."""

@@ -445,13 +445,26 @@ class OpenAIIngress:
                 gen.cancel()
 
     async def _run_all(self, prepared: _Prepared) -> list[_Choice]:
-        choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
+        """Non-streaming: one ``generate_all`` call per choice (one message back, not one per
+        token). If this handler is cancelled (client gone), the calls are cancelled too."""
+        jobs = prepared.jobs()
+        responses = [
+            self.replica.generate_all.remote(f"{prepared.request_id}-{index}", ids, params)
+            for index, _, ids, params in jobs
+        ]
         try:
-            async for index, delta in self._stream_choices(prepared):
-                choices[index].add(delta)
+            outputs = await asyncio.gather(*responses)
         except Exception as exc:
             raise _replica_error(exc) from None
-        return [choices[i] for i in sorted(choices)]
+        finally:
+            for response in responses:
+                response.cancel()  # no-op for the finished ones
+        choices = []
+        for (index, p, _, _), output in zip(jobs, outputs):
+            choice = _Choice(index, p)
+            choice.add(output)
+            choices.append(choice)
+        return choices
 
     # ---- response bodies ---------------------------------------------------------------------
     def _usage(self, prepared: _Prepared, choices) -> dict[str, int]:

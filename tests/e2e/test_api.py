@@ -293,3 +293,12 @@ def test_openai_client_closing_a_stream_aborts(served):
     closed = time.monotonic()
     served.wait_idle(timeout_s=1.0)
     assert time.monotonic() - closed < 1.0
+
+
+def test_disconnect_during_non_streaming_request_aborts(served):
+    body = {"model": served.model, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.base_url + "/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    closed = time.monotonic()
+    served.wait_idle(timeout_s=1.5)
+    assert time.monotonic() - closed < 1.5
