@@ -268,7 +268,8 @@ class OpenAIIngress:
         self._check_prompt(ids, info, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        prepared = self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info, param)
         if body.stream:
             return self._sse(self._chat_stream(prepared, body))
         choices = await self._run_all(prepared)
@@ -292,7 +293,7 @@ class OpenAIIngress:
                 raise OpenAIError(f"{param}: token id {t} is outside the vocabulary [0, {vocab})", param=param, code="invalid_value")
         if len(ids) >= info["max_model_len"]:
             raise OpenAIError(
-                f"This model's maximum context length is {info['max_model_len']} tokens; the prompt "
+                f"{param}: this model's maximum context length is {info['max_model_len']} tokens; the prompt "
                 f"has {len(ids)} tokens, which leaves no room for output. Please shorten it.",
                 param=param,
                 code="context_length_exceeded",
@@ -324,6 +325,7 @@ class OpenAIIngress:
         max_tokens: int | None,
         logprobs: int | None,
         info: dict[str, Any],
+        max_tokens_param: str = "max_tokens",
     ) -> _Prepared:
         limit = info["max_model_len"]
         params: list[list[SamplingParams]] = []
@@ -333,10 +335,10 @@ class OpenAIIngress:
                 tokens = room
             elif len(ids) + max_tokens > limit:
                 raise OpenAIError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{max_tokens_param}: this model's maximum context length is {limit} tokens. However, you requested "
                     f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                    "completion). Please reduce the prompt or max_tokens.",
-                    param="max_tokens",
+                    f"completion). Please reduce the prompt or {max_tokens_param}.",
+                    param=max_tokens_param,
                     code="context_length_exceeded",
                 )
             else:

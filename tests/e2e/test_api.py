@@ -243,6 +243,7 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(served, name, pa
     assert isinstance(error["message"], str) and error["message"]
     if param is not None:
         assert error["param"] == param, error
+        assert param in error["message"], error  # the message names the field
     good = served.client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2, temperature=0)
     assert good.choices[0].finish_reason == "length"
 
