@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine
+from replica.metrics import EngineMetrics
 from replica.request import Request, SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,17 @@ class AsyncLLMEngine:
 
     Args:
         config: engine settings (or an already built ``engine=``).
+        metrics: Prometheus metrics the engine records into (see ``replica.metrics``).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None) -> None:
-        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig())
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: LLMEngine | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig(), metrics=metrics)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()

@@ -1,0 +1,118 @@
+"""Writes grafana/carpool.json, the Carpool dashboard (run: python grafana/make_dashboard.py).
+
+The JSON is committed; this script is how it is edited, so that every panel follows one layout
+and every query uses the same label filters. Metric names are those of ``replica/metrics.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SEL = 'model_name=~"$model", replica=~"$replica"'
+RATE = "$__rate_interval"
+
+
+def quantiles(metric: str) -> list[tuple[str, str]]:
+    return [
+        (f"p{q}", f"histogram_quantile(0.{q}, sum by (le) (rate(carpool:{metric}_bucket{{{SEL}}}[{RATE}])))")
+        for q in ("50", "90", "99")
+    ]
+
+
+# (title, description, unit, [(legend, expr)], kind)
+PANELS = [
+    ("Slot utilization per replica", "Running requests / seats (max_num_seqs), 0-1.", "percentunit",
+     [("{{replica}}", f"carpool:slot_utilization{{{SEL}}}")], "timeseries"),
+    ("Running vs waiting", "Requests in seats and requests queued for a seat, all replicas.", "short",
+     [("running", f"sum(carpool:num_requests_running{{{SEL}}})"),
+      ("waiting", f"sum(carpool:num_requests_waiting{{{SEL}}})"),
+      ("seats", f"sum(carpool:num_slots{{{SEL}}})")], "timeseries"),
+    ("KV cache usage per replica", "Fraction of KV blocks in use, 0-1.", "percentunit",
+     [("{{replica}}", f"carpool:kv_cache_usage_perc{{{SEL}}}")], "timeseries"),
+    ("Preemptions", "Preemptions by recompute per second (KV blocks ran out).", "ops",
+     [("{{replica}}", f"sum by (replica) (rate(carpool:num_preemptions_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("Token throughput", "Prompt tokens prefilled and tokens generated per second.", "short",
+     [("prompt tok/s", f"sum(rate(carpool:prompt_tokens_total{{{SEL}}}[{RATE}]))"),
+      ("generation tok/s", f"sum(rate(carpool:generation_tokens_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("Time to first token", "TTFT quantiles: arrival to first generated token.", "s",
+     quantiles("time_to_first_token_seconds"), "timeseries"),
+    ("Inter-token latency", "ITL quantiles: time between two tokens of one request.", "s",
+     quantiles("inter_token_latency_seconds"), "timeseries"),
+    ("End-to-end request latency", "Arrival to finish.", "s",
+     quantiles("e2e_request_latency_seconds"), "timeseries"),
+    ("Queue time", "Arrival to first scheduled: time spent waiting for a seat.", "s",
+     quantiles("request_queue_time_seconds"), "timeseries"),
+    ("Finish reasons", "Finished requests per second by finish reason (stop, length, abort).", "reqps",
+     [("{{finished_reason}}", f"sum by (finished_reason) (rate(carpool:request_success_total{{{SEL}}}[{RATE}]))")],
+     "timeseries"),
+    ("Tokens per step", "Tokens computed per engine step (prefill chunks + decodes): mean and p90.", "short",
+     [("mean", f"sum(rate(carpool:iteration_tokens_total_sum{{{SEL}}}[{RATE}])) / sum(rate(carpool:iteration_tokens_total_count{{{SEL}}}[{RATE}]))"),
+      ("p90", f"histogram_quantile(0.9, sum by (le) (rate(carpool:iteration_tokens_total_bucket{{{SEL}}}[{RATE}])))")],
+     "timeseries"),
+    ("Batch occupancy per step", "Seats taken / seats during each step, mean per replica.", "percentunit",
+     [("{{replica}}", f"sum by (replica) (rate(carpool:batch_occupancy_sum{{{SEL}}}[{RATE}])) / sum by (replica) (rate(carpool:batch_occupancy_count{{{SEL}}}[{RATE}]))")],
+     "timeseries"),
+    ("Step duration", "Wall time of one engine step.", "s", quantiles("step_duration_seconds"), "timeseries"),
+    ("Aborted and rejected", "Requests aborted (client gone) and refused at admission, per second.", "reqps",
+     [("aborted", f"sum(rate(carpool:requests_aborted_total{{{SEL}}}[{RATE}]))"),
+      ("rejected", f"sum(rate(carpool:requests_rejected_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("KV blocks free", "Free KV blocks per replica (of the pool's total).", "short",
+     [("{{replica}} free", f"carpool:kv_cache_blocks_free{{{SEL}}}"),
+      ("{{replica}} total", f"carpool:kv_cache_blocks_total{{{SEL}}}")], "timeseries"),
+]
+
+
+def panel(i: int, title: str, description: str, unit: str, targets, kind: str) -> dict:
+    return {
+        "id": i + 1,
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+        "fieldConfig": {"defaults": {"unit": unit, "min": 0}, "overrides": []},
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
+        "targets": [
+            {"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend,
+             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+            for j, (legend, expr) in enumerate(targets)
+        ],
+    }
+
+
+def dashboard() -> dict:
+    return {
+        "title": "Carpool",
+        "uid": "carpool-serving",
+        "description": "Carpool LLM serving: seats, queues, KV cache, throughput and latency per replica.",
+        "tags": ["carpool", "llm", "serving"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {
+            "list": [
+                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+                 "current": {}, "hide": 0},
+                {"name": "model", "label": "Model", "type": "query",
+                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                 "query": {"query": "label_values(carpool:num_slots, model_name)", "refId": "model"},
+                 "definition": "label_values(carpool:num_slots, model_name)",
+                 "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2, "current": {}},
+                {"name": "replica", "label": "Replica", "type": "query",
+                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                 "query": {"query": 'label_values(carpool:num_slots{model_name=~"$model"}, replica)', "refId": "replica"},
+                 "definition": 'label_values(carpool:num_slots{model_name=~"$model"}, replica)',
+                 "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2, "current": {}},
+            ]
+        },
+        "panels": [panel(i, *p) for i, p in enumerate(PANELS)],
+    }
+
+
+if __name__ == "__main__":
+    out = Path(__file__).with_name("carpool.json")
+    out.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {out} ({len(PANELS)} panels)")
