@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/carpool serve $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m cluster.bench $(ARGS)
+	$(PY) -m cluster.bench offline $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,25 @@
+"""Benchmarks of the engine: continuous vs static batching, reproduced and plotted.
+
+* :func:`offline_main` (``carpool bench offline`` / ``python -m cluster.bench offline``): runs a
+  workload in-process under both policies, optionally against transformers; table, JSON, PNGs.
+* :data:`bench_app`: the typer group to attach to the ``carpool`` command.
+
+Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
+recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command).
+"""
+
+from __future__ import annotations
+
+__all__ = ["offline_main", "bench_app", "main"]
+
+
+def __getattr__(name):  # lazy: importing the package must stay light (no torch, no typer needed)
+    if name == "offline_main":
+        from cluster.bench.offline import offline_main
+
+        return offline_main
+    if name in ("bench_app", "main"):
+        from cluster.bench import cli
+
+        return getattr(cli, name)
+    raise AttributeError(name)

@@ -1,0 +1,5 @@
+"""``python -m cluster.bench offline [options]`` (``--help`` for options)."""
+
+from cluster.bench.cli import main
+
+main()

@@ -1,0 +1,77 @@
+"""The ``bench`` command group (typer): ``carpool bench offline`` and ``python -m cluster.bench offline``.
+
+Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
+(torch, transformers, matplotlib) happen only when a command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks: continuous vs static batching in-process (offline).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@bench_app.callback()
+def _group() -> None:
+    """Benchmarks: continuous vs static batching in-process (offline)."""
+
+
+@bench_app.command("offline")
+def offline(
+    workload: str = typer.Option(
+        "seed-mix", "--workload", "-w",
+        help="seed-example (the article's A-E on 4 seats), seed-mix (half 20, half 200 tokens), sweep (exponential lengths capped at --caps), or a JSONL file of {prompt, max_tokens}.",
+    ),
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16), bfloat16, float16 or float32."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats: requests in one batch (static batch size)."),
+    max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
+    num_requests: int = typer.Option(100, min=1, help="seed-mix and sweep: number of requests."),
+    short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
+    long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
+    mean_tokens: float = typer.Option(64.0, min=1.0, help="sweep: mean of the exponential output length."),
+    caps: str = typer.Option("32,128,512", help="sweep: comma-separated caps on the output length."),
+    seed: int = typer.Option(0, help="sweep: seed of the length draw."),
+    compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available); ratios to Carpool."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNGs PATH-occupancy.png and PATH-latency.png (sweep: PATH-sweep.png)."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap text prompts in the model's chat template."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
+) -> None:
+    """Run a workload through the engine under continuous and static batching; print a table."""
+    from cluster.bench.offline import offline_main
+
+    try:
+        cap_list = [int(c) for c in caps.split(",") if c.strip()]
+    except ValueError:
+        _fail(f"--caps must be comma-separated integers, got {caps!r}")
+    try:
+        offline_main(
+            workload, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, num_requests=num_requests, short=short, long=long,
+            mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
+            plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"carpool bench: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m cluster.bench ...``."""
+    bench_app(args=argv, prog_name="python -m cluster.bench")
