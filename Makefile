@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.carpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Debian's Prometheus server, for the tests that check metrics through a real one.
+prometheus:
+	@command -v prometheus >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: $(STAMP) prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: $(STAMP)

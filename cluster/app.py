@@ -89,7 +89,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * config.routing_stats_period_s),
         ),
-    ).bind(engine.model_dump(), threads)
+    ).bind(engine.model_dump(), threads, config.model_name)
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,

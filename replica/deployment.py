@@ -35,7 +35,7 @@ class LLMReplica:
         num_threads: torch intra-op threads on CPU (one per reserved core).
     """
 
-    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1) -> None:
+    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1, model_name: str | None = None) -> None:
         config = EngineConfig(**engine_config)
         if config.device == "cpu":
             import torch
@@ -43,12 +43,14 @@ class LLMReplica:
             # One replica per core: a second thread on a shared core makes every step much slower.
             torch.set_num_threads(max(1, num_threads))
         from replica.async_engine import AsyncLLMEngine
+        from replica.metrics import EngineMetrics
 
         self.config = config
-        self.engine = AsyncLLMEngine(config)
+        self._replica_id = _replica_id()
+        self.metrics = EngineMetrics(model_name=model_name or config.model, replica=self._replica_id)
+        self.engine = AsyncLLMEngine(config, metrics=self.metrics)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
-        self._replica_id = _replica_id()
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
             self._replica_id, config.model, config.dtype, config.device, config.max_num_seqs,
@@ -120,6 +122,11 @@ class LLMReplica:
             "eos_token_ids": list(engine.eos_token_ids),
             "max_num_seqs": self.config.max_num_seqs,
         }
+
+    async def metrics_text(self) -> str:
+        """This replica's ``carpool:*`` series in the Prometheus text format (the ingress merges
+        every replica's into ``GET /metrics``)."""
+        return self.metrics.exposition().decode()
 
     # ---- load, health, integrity -------------------------------------------------------------
     def _stats_dict(self) -> dict[str, Any]:

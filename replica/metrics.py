@@ -138,3 +138,30 @@ class EngineMetrics:
     def exposition(self) -> bytes:
         """This engine's series in the Prometheus text format."""
         return generate_latest(self.registry)
+
+
+def merge_expositions(texts: list[str]) -> bytes:
+    """Merge several registries' Prometheus text (one per replica) into one valid exposition.
+
+    The text format allows each metric family once, so the families are parsed
+    (``prometheus_client.parser``) and their samples joined under one ``# HELP``/``# TYPE``;
+    the replicas' series stay apart through their ``replica`` label.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, object] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                families[family.name] = family
+            else:
+                merged.samples.extend(family.samples)
+
+    class _Merged:
+        def collect(self):
+            return iter(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)

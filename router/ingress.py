@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -209,6 +209,19 @@ class OpenAIIngress:
         whenever Serve reports the replica deployment as not healthy)."""
         ok, detail = await self._replicas_healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", dependencies=[Depends(check_api_key)])
+    async def metrics(self) -> Response:
+        """Every replica's ``carpool:*`` series in the Prometheus text format (one scrape target
+        for the whole application; see ``deploy/prometheus/``). A replica that does not answer
+        within 5 s is left out of this scrape."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from replica.metrics import merge_expositions
+
+        results = await self.replica.broadcast("metrics_text").results_async(timeout_s=5.0, return_exceptions=True)
+        texts = [r for r in results if isinstance(r, str)]
+        return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(check_api_key)])
     async def models(self) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Metrics through a real Prometheus: the shipped scrape config, the shipped dashboard's queries.
+
+Debian's ``prometheus`` is started on loopback with ``deploy/prometheus/prometheus.yml`` (target
+pointed at the test server's port, scrape interval shortened); load goes through ``carpool
+serve``'s API with the real ``openai`` client; then every PromQL expression of
+``grafana/carpool.json`` must evaluate without error and return data, counters must equal what
+was sent, and gauges must be back to idle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.config import EngineConfig, ServeConfig
+from tests.e2e.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+
+
+@pytest.fixture(scope="module")
+def served(deploy, smollm2_path):
+    config = ServeConfig(
+        app_name="metrics",
+        engine=EngineConfig(model=smollm2_path, dtype="bfloat16", max_num_seqs=4, kv_cache_memory=64 << 20),
+        served_model_name="smollm2",
+    )
+    with deploy(config, replicas=2) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def prometheus(served, tmp_path_factory):
+    """A Prometheus server scraping the test app every second; yields its base URL."""
+    assert Path(PROMETHEUS).exists(), "Debian's prometheus is not installed (make test installs it)"
+    folder = tmp_path_factory.mktemp("prometheus")
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "1s"
+    job = config["scrape_configs"][0]
+    job["static_configs"][0]["targets"] = [served.root_url.removeprefix("http://")]
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _poll(lambda: httpx.get(f"{url}/-/ready", timeout=2).status_code == 200, 30, "prometheus ready")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _poll(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            last = exc
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}: {last!r}")
+
+
+def query(url: str, expr: str) -> list[dict]:
+    response = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=10)
+    body = response.json()
+    assert response.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def scalar(url: str, expr: str) -> float:
+    result = query(url, expr)
+    assert len(result) == 1, (expr, result)
+    return float(result[0]["value"][1])
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dashboard = json.loads((ROOT / "grafana/carpool.json").read_text())
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = (
+                target["expr"]
+                .replace("$__rate_interval", "1m")
+                .replace("$model", ".*")
+                .replace("$replica", ".*")
+            )
+            out.append((panel["title"], expr))
+    variables = dashboard["templating"]["list"]
+    assert {v["name"] for v in variables} == {"datasource", "model", "replica"}
+    return out
+
+
+def test_metrics_endpoint_lists_every_replica(served):
+    text = httpx.get(f"{served.root_url}/metrics", timeout=30).text
+    replicas = {s["replica"] for s in served.stats()}
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert f'carpool:num_slots{{model_name="smollm2",replica="{replica}"}} 4.0' in text
+    assert text.count("# TYPE carpool:num_requests_running gauge") == 1
+
+
+def test_prometheus_counters_gauges_and_dashboard(served, prometheus):
+    client = served.client
+    completions, streamed = [], []
+    for i in range(4):
+        completions.append(
+            client.completions.create(
+                model=served.model, prompt=f"Count to {i + 3}:", max_tokens=6 + i, temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        )
+    for i in range(2):
+        chunks = list(
+            client.chat.completions.create(
+                model=served.model, messages=[{"role": "user", "content": f"Say hi {i}"}], max_tokens=5,
+                temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+        )
+        streamed.append(chunks[-1].usage)
+    usages = [c.usage for c in completions] + streamed
+    sent = len(usages)
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    generated = sum(u.completion_tokens for u in usages)
+    served.wait_idle()
+
+    # Wait for a scrape that saw the whole load, then compare exactly.
+    _poll(
+        lambda: scalar(prometheus, 'sum(carpool:request_success_total{finished_reason="length"})') == sent,
+        60,
+        f"{sent} finished requests in prometheus",
+    )
+    assert scalar(prometheus, 'sum(carpool:request_success_total{finished_reason="stop"})') == 0
+    assert scalar(prometheus, 'sum(carpool:request_success_total{finished_reason="abort"})') == 0
+    assert scalar(prometheus, "sum(carpool:prompt_tokens_total)") == prompt_tokens
+    assert scalar(prometheus, "sum(carpool:generation_tokens_total)") == generated
+    assert scalar(prometheus, "sum(carpool:time_to_first_token_seconds_count)") == sent
+    assert scalar(prometheus, "sum(carpool:inter_token_latency_seconds_count)") == generated - sent
+    assert scalar(prometheus, "sum(carpool:e2e_request_latency_seconds_count)") == sent
+    assert len(query(prometheus, "carpool:num_slots")) == 2
+    # Gauges back to idle on every replica.
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "slot_utilization"):
+        assert scalar(prometheus, f"max(carpool:{gauge})") == 0, gauge
+
+    # Every dashboard query evaluates and returns data.
+    failures = []
+    for title, expr in dashboard_exprs():
+        try:
+            if not query(prometheus, expr):
+                failures.append(f"{title}: no data for {expr}")
+        except AssertionError as exc:
+            failures.append(f"{title}: error {exc}")
+    assert not failures, "\n".join(failures)
