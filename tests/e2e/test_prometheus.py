@@ -75,7 +75,7 @@ def _poll(check, timeout_s: float, what: str):
             last = check()
             if last:
                 return last
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, AssertionError) as exc:
             last = exc
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
