@@ -2,10 +2,13 @@
 
 * :func:`offline_main` (``carpool bench offline`` / ``python -m cluster.bench offline``): runs a
   workload in-process under both policies, optionally against transformers; table, JSON, PNGs.
+* ``carpool bench serve`` (:mod:`cluster.bench.serve`): load on a live server; throughput, TTFT,
+  ITL and e2e latency percentiles, errors; table and JSON.
 * :data:`bench_app`: the typer group to attach to the ``carpool`` command.
 
 Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
-recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command).
+recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command),
+``serve`` (the load generator).
 """
 
 from __future__ import annotations

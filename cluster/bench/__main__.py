@@ -1,4 +1,4 @@
-"""``python -m cluster.bench offline [options]`` (``--help`` for options)."""
+"""``python -m cluster.bench offline|serve [options]`` (``--help`` for options)."""
 
 from cluster.bench.cli import main
 

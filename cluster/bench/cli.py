@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline`` and ``python -m cluster.bench offline``.
+"""The ``bench`` command group (typer): ``carpool bench offline|serve`` and ``python -m cluster.bench offline|serve``.
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -13,7 +13,7 @@ import typer
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline).",
+    help="Benchmarks: continuous vs static batching in-process (offline); load on a live server (serve).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -22,7 +22,7 @@ bench_app = typer.Typer(
 
 @bench_app.callback()
 def _group() -> None:
-    """Benchmarks: continuous vs static batching in-process (offline)."""
+    """Benchmarks: continuous vs static batching in-process (offline); load on a live server (serve)."""
 
 
 @bench_app.command("offline")
@@ -65,6 +65,38 @@ def offline(
         )
     except ValueError as exc:
         _fail(str(exc))
+
+
+@bench_app.command("serve")
+def serve(
+    url: str = typer.Option("http://127.0.0.1:8000/v1", help="Base URL of the OpenAI-compatible API."),
+    model: Optional[str] = typer.Option(None, help="Model name (default: the first id of GET /v1/models)."),
+    num_prompts: int = typer.Option(100, "--num-prompts", "-n", min=1, help="Number of requests."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Requests/s, Poisson arrivals (exponential gaps); inf: all at once."),
+    seed: int = typer.Option(0, help="Seed of the inter-arrival gaps."),
+    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix (half --short, half --long output tokens) or a JSONL file of {prompt, max_tokens}."),
+    short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
+    long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
+    max_tokens: Optional[int] = typer.Option(None, min=1, help="Output tokens of every request (overrides the workload's)."),
+    api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Bearer key of the server."),
+    timeout: Optional[float] = typer.Option(None, help="Bound on the whole run in seconds; requests not done are cancelled and counted as errors."),
+    max_concurrency: Optional[int] = typer.Option(None, min=1, help="Most requests in flight at once (default: unbounded)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+) -> None:
+    """Load a running server with streaming chat requests; print throughput, TTFT, ITL, e2e latency (ms)."""
+    from cluster.bench.serve import serve_main
+
+    try:
+        summary = serve_main(
+            url, json_path=json_path, model=model, num_prompts=num_prompts, request_rate=request_rate, seed=seed,
+            workload=workload, short=short, long=long, max_tokens=max_tokens, api_key=api_key, timeout=timeout,
+            max_concurrency=max_concurrency, progress=progress,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    if summary["errors"]:
+        raise typer.Exit(code=1)
 
 
 def _fail(message: str) -> None:

@@ -1,0 +1,297 @@
+"""``carpool bench serve``: a load generator against a running OpenAI-compatible server.
+
+Like ``vllm bench serve``: ``num_prompts`` streaming chat completions are sent to ``--url`` with the
+real ``openai`` client (``AsyncOpenAI``), arriving as a Poisson process at ``request_rate``
+requests/s (exponential inter-arrival gaps drawn from ``seed``), or all at once when the rate is
+``inf``. Every request asks for exactly ``max_tokens`` output tokens (``ignore_eos``) and
+``stream_options={"include_usage": True}``. Per request it measures:
+
+* TTFT (s): from sending the request to its first chunk with non-empty content;
+* ITL (s): the gaps between consecutive content chunks (one per chunk gap, pooled over requests);
+* e2e latency (s): from sending the request to the end of its stream;
+* output tokens: ``usage.completion_tokens`` of the final chunk.
+
+It reports throughput (completed requests/s and output tokens/s over the run's wall time), the
+mean, p50, p90 and p99 of TTFT, ITL and e2e (in milliseconds), and the errors (count and the first
+messages). The run is bounded by ``num_prompts`` and by ``timeout`` seconds: requests not done by
+then are cancelled and counted as errors. :func:`run_serve_bench` returns the results as a dict
+(the JSON written by ``--json``); :func:`serve_main` also prints a table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.bench import workloads
+
+MAX_ERROR_MESSAGES = 5
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    """What one request measured. Times in seconds; ``ok`` False means it failed or was cancelled."""
+
+    index: int
+    max_tokens: int
+    ok: bool = False
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def bench_prompts(
+    workload: str = "seed-mix", num_prompts: int = 100, *, short: int = 20, long: int = 200, max_tokens: int | None = None
+) -> list[tuple[str, int]]:
+    """``num_prompts`` (prompt, max_tokens) pairs.
+
+    ``seed-mix``: even indices ``short`` output tokens, odd ones ``long`` (the offline bench's mix).
+    Otherwise ``workload`` is a JSONL file of ``{"prompt": str, "max_tokens": int}`` (see
+    :func:`cluster.bench.workloads.read_jsonl`; text prompts only), cycled or cut to ``num_prompts``.
+    ``max_tokens``, when given, replaces every request's output length. Raises ``ValueError``.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
+    if workload == "seed-mix":
+        requests = workloads.seed_mix(num_prompts, short, long)
+    elif Path(workload).is_file():
+        requests = workloads.read_jsonl(workload)
+        if any(r.prompt is None for r in requests):
+            raise ValueError(f"{workload}: bench serve sends chat messages; prompts must be text, not token ids")
+        requests = [requests[i % len(requests)] for i in range(num_prompts)]
+    else:
+        raise ValueError(f"--workload must be seed-mix or a JSONL file, got {workload!r}")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+        return [(r.prompt, max_tokens) for r in requests]
+    return [(r.prompt, r.max_tokens) for r in requests]
+
+
+def arrival_offsets(num_prompts: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Send times (s after the start) of a Poisson process of ``request_rate`` requests/s.
+
+    The first request goes at 0, then exponential gaps of mean ``1 / request_rate`` s drawn from
+    ``random.Random(seed)``. ``inf`` rate: all at 0.
+    """
+    if not request_rate > 0:
+        raise ValueError(f"--request-rate must be positive (or inf), got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num_prompts
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for i in range(num_prompts):
+        if i:
+            t += rng.expovariate(request_rate)
+        offsets.append(t)
+    return offsets
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation (numpy's default)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize_ms(values_s: list[float]) -> dict:
+    """``{"mean", "p50", "p90", "p99"}`` in milliseconds of values in seconds (None when empty)."""
+    if not values_s:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    ms = [v * 1000 for v in values_s]
+    return {"mean": statistics.fmean(ms), **{f"p{q}": percentile(ms, q) for q in PERCENTILES}}
+
+
+async def _one_request(client, model: str, index: int, prompt: str, max_tokens: int, result: RequestResult) -> None:
+    """Stream one chat completion, filling ``result`` in place (so a cancelled request keeps its index)."""
+    start = time.perf_counter()
+    last = None
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            result.output_tokens = chunk.usage.completion_tokens
+        if any(choice.delta.content for choice in chunk.choices):
+            now = time.perf_counter()
+            if last is None:
+                result.ttft_s = now - start
+            else:
+                result.itl_s.append(now - last)
+            last = now
+    result.e2e_s = time.perf_counter() - start
+    result.ok = True
+
+
+async def run_serve_bench_async(
+    url: str,
+    *,
+    model: str | None = None,
+    num_prompts: int = 100,
+    request_rate: float = math.inf,
+    workload: str = "seed-mix",
+    short: int = 20,
+    long: int = 200,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout: float | None = None,
+    max_concurrency: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run the load (see the module docstring) and return the results dict. ``timeout`` in seconds."""
+    import openai
+
+    prompts = bench_prompts(workload, num_prompts, short=short, long=long, max_tokens=max_tokens)
+    offsets = arrival_offsets(len(prompts), request_rate, seed)
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {max_concurrency}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--timeout must be positive, got {timeout}")
+    results = [RequestResult(index=i, max_tokens=n) for i, (_, n) in enumerate(prompts)]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="bench serve", unit="req")
+    async with openai.AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout) as client:
+        if model is None:
+            models = await client.models.list()
+            if not models.data:
+                raise ValueError(f"{url}/models lists no model; pass --model")
+            model = models.data[0].id
+        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        start = time.perf_counter()
+
+        async def task(i: int) -> None:
+            result = results[i]
+            try:
+                delay = start + offsets[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if semaphore is None:
+                    await _one_request(client, model, i, prompts[i][0], prompts[i][1], result)
+                else:
+                    async with semaphore:
+                        await _one_request(client, model, i, prompts[i][0], prompts[i][1], result)
+            except asyncio.CancelledError:
+                result.error = f"cancelled: not done within --timeout {timeout} s"
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure is a reported error
+                result.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if bar is not None:
+                    bar.update(1)
+
+        tasks = [asyncio.create_task(task(i)) for i in range(len(prompts))]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return summarize(results, duration, url=url, model=model, request_rate=request_rate, workload=workload,
+                     seed=seed, max_concurrency=max_concurrency, timeout=timeout)
+
+
+def run_serve_bench(url: str, **kwargs) -> dict:
+    """Synchronous :func:`run_serve_bench_async` (runs its own event loop)."""
+    return asyncio.run(run_serve_bench_async(url, **kwargs))
+
+
+def summarize(results: list[RequestResult], duration_s: float, **settings) -> dict:
+    """The results dict: settings, counts, throughput, latency summaries (ms), errors, per request.
+
+    Fields: ``url, model, num_prompts, request_rate`` (requests/s; ``"inf"`` for all at once),
+    ``workload, seed, max_concurrency, timeout_s, duration_s, completed, errors, error_messages``
+    (the first few), ``requested_output_tokens`` (sum of max_tokens), ``output_tokens`` (sum of
+    usage over completed requests), ``requests_per_s, output_tokens_per_s, ttft_ms, itl_ms, e2e_ms``
+    (each ``{mean, p50, p90, p99}``) and ``requests`` (per request: index, max_tokens, ok,
+    output_tokens, ttft_ms, e2e_ms, error).
+    """
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    rate = settings.pop("request_rate")
+    timeout = settings.pop("timeout")
+    return {
+        "url": settings["url"],
+        "model": settings["model"],
+        "num_prompts": len(results),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "workload": settings["workload"],
+        "seed": settings["seed"],
+        "max_concurrency": settings["max_concurrency"],
+        "timeout_s": timeout,
+        "duration_s": duration_s,
+        "completed": len(ok),
+        "errors": len(failed),
+        "error_messages": [f"request {r.index}: {r.error or 'not run'}" for r in failed[:MAX_ERROR_MESSAGES]],
+        "requested_output_tokens": sum(r.max_tokens for r in results),
+        "output_tokens": output_tokens,
+        "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
+        "ttft_ms": summarize_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_ms": summarize_ms([gap for r in ok for gap in r.itl_s]),
+        "e2e_ms": summarize_ms([r.e2e_s for r in ok]),
+        "requests": [
+            {
+                "index": r.index, "max_tokens": r.max_tokens, "ok": r.ok, "output_tokens": r.output_tokens,
+                "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
+                "e2e_ms": None if r.e2e_s is None else r.e2e_s * 1000,
+                "error": r.error,
+            }
+            for r in results
+        ],
+    }
+
+
+def format_table(summary: dict) -> str:
+    """The results as a plain-text table (the stdout of ``carpool bench serve``)."""
+    def num(v, fmt="{:.1f}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = [
+        f"model: {summary['model']}  url: {summary['url']}",
+        f"requests: {summary['num_prompts']}  rate: {summary['request_rate']} req/s  "
+        f"max concurrency: {summary['max_concurrency'] or '-'}  workload: {summary['workload']}",
+        f"completed: {summary['completed']}  errors: {summary['errors']}  duration: {summary['duration_s']:.2f} s",
+        f"output tokens: {summary['output_tokens']} (requested {summary['requested_output_tokens']})",
+        f"throughput: {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s",
+        "",
+        f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
+    ]
+    for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")):
+        s = summary[key]
+        lines.append(f"{name:<12}" + "".join(f"{num(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+    if summary["error_messages"]:
+        lines += ["", "first errors:"] + [f"  {m}" for m in summary["error_messages"]]
+    return "\n".join(lines)
+
+
+def serve_main(url: str, *, json_path: str | Path | None = None, **kwargs) -> dict:
+    """Run the bench, print the table, write JSON to ``json_path`` if given; return the results."""
+    summary = run_serve_bench(url, **kwargs)
+    print(format_table(summary), flush=True)
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
