@@ -170,8 +170,8 @@ class AsyncLLMEngine:
                 request: Request = arg
                 try:
                     self.engine.add_prepared_request(request)
-                except ValueError as exc:
-                    self._deliver(request.request_id, exc)
+                except Exception as exc:  # refuse this request only; the loop goes on
+                    self._deliver(request.request_id, exc if isinstance(exc, ValueError) else ValueError(str(exc)))
             elif command == "abort":
                 output = self.engine.abort(arg)
                 if output is not None:

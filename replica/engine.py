@@ -179,11 +179,17 @@ class LLMEngine:
         return request
 
     def add_prepared_request(self, request: Request) -> None:
-        """Queue a request built by :meth:`make_request`. Raises ``ValueError`` on a duplicate id."""
-        self.scheduler.add_request(request)
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+        """Queue a request built by :meth:`make_request`. Raises ``ValueError`` on a duplicate id.
+
+        The detokenizer is built first, so a failure leaves nothing half-added.
+        """
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        detokenizer = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params, request.eos_token_ids
         )
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = detokenizer
         self._refresh_gauges()
 
     def abort(self, request_id: str) -> StepOutput | None:

@@ -131,6 +131,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
+            # torch.Generator.manual_seed takes 64-bit seeds; sequence i of n uses seed + i.
+            if not -(2**63) <= self.seed <= 2**63 - self.n:
+                raise ValueError(f"seed must be a 64-bit signed integer (with seed + n - 1 in range), got {self.seed}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -252,13 +252,13 @@ class OpenAIIngress:
         info = await self._model_info()
         prompts, texts = [], []
         for i, p in enumerate(body.prompt):
+            param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p, add_special_tokens=True)
+                ids = self._encode(p, param, add_special_tokens=True)
                 texts.append(p)
             else:
                 ids = list(p)
                 texts.append(self.tokenizer.decode(ids) if body.echo else "")
-            param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
             self._check_prompt(ids, info, param)
             prompts.append(ids)
         prepared = self._prepare("cmpl", body, prompts, texts, body.max_tokens, body.logprobs, info)
@@ -327,7 +327,14 @@ class OpenAIIngress:
             )
         except Exception as exc:  # jinja errors, e.g. a role the template rejects
             raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._encode(text, "messages", add_special_tokens=False)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize, turning a text the tokenizer refuses (e.g. a lone UTF-16 surrogate) into a 400."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:
+            raise OpenAIError(f"{param}: the text cannot be tokenized: {exc}", param=param) from None
 
     def _prepare(
         self,

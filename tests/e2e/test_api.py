@@ -229,6 +229,9 @@ BAD_REQUESTS = [
     ("stream_options without stream", "/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
     ("ignore_eos not a bool", "/completions", {"prompt": "x", "ignore_eos": "yes"}, None, 400, "ignore_eos"),
     ("unknown path", "/embeddings", {"input": "x"}, None, 404, None),
+    ("seed beyond 64 bits", "/completions", {"prompt": "x", "max_tokens": 2, "seed": 2**64}, None, 400, "seed"),
+    ("lone surrogate in prompt", "/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', None, 400, "prompt"),
+    ("lone surrogate in message", "/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}], "max_tokens": 2}', None, 400, "messages"),
 ]
 
 

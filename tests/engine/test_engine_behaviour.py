@@ -498,3 +498,16 @@ def test_n2_with_seed(llm, engine):
         [one] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=single)
         assert one.outputs[0].token_ids == out.outputs[j].token_ids
     assert_idle(engine)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("seed", 2**64), ("seed", -(2**63) - 1), ("skip_special_tokens", "false"), ("ignore_eos", "no"), ("include_stop_str_in_output", 1)],
+)
+def test_out_of_range_seed_and_non_bool_flags_are_refused(field, value):
+    """Values that would fail later inside a step (torch seeds are 64-bit) are refused up front."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    # seed + n - 1 must fit too (sequence i of n uses seed + i).
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**63 - 1, n=2)
