@@ -24,18 +24,7 @@ import json
 import os
 import time
 
-PROMPTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a refrigerator works to a ten-year-old.",
-    "List some tips for learning a new programming language.",
-    "What are the main causes of the seasons on Earth?",
-    "Describe the water cycle.",
-    "Give me a recipe for a simple tomato soup.",
-    "Why is the sky blue?",
-    "Summarize the plot of a heist movie you invent.",
-    "How do vaccines train the immune system?",
-    "Compare trains and planes for a 500 km trip.",
-]
+from cluster.bench.workloads import PROMPTS  # the same prompts as `carpool bench offline`
 
 
 def seed_workload(num_requests: int = 100, short: int = 20, long: int = 200) -> list[tuple[str, int]]:
