@@ -179,6 +179,16 @@ def _replica_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(f"the replica could not complete the request: {type(exc).__name__}", 503, type="service_unavailable_error", code="unavailable")
 
 
+def _stream_event(
+    prepared: "_Prepared", kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None
+) -> dict[str, Any]:
+    """One SSE event of a streamed response (``kind``: ``text_completion`` or ``chat.completion.chunk``)."""
+    event = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": prepared.model, "choices": choices}
+    if usage is not None:
+        event["usage"] = usage
+    return event
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     """Serve deployment body (options are set in :func:`cluster.app.build_app`).
@@ -591,10 +601,7 @@ class OpenAIIngress:
 
     async def _completion_stream(self, prepared: _Prepared, body: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            event = {"id": prepared.request_id, "object": "text_completion", "created": prepared.created, "model": prepared.model, "choices": choices}
-            if usage is not None:
-                event["usage"] = usage
-            return event
+            return _stream_event(prepared, "text_completion", choices, usage)
 
         choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
         offsets = {index: 0 for index in choices}
@@ -629,10 +636,7 @@ class OpenAIIngress:
 
     async def _chat_stream(self, prepared: _Prepared, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            event = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": prepared.created, "model": prepared.model, "choices": choices}
-            if usage is not None:
-                event["usage"] = usage
-            return event
+            return _stream_event(prepared, "chat.completion.chunk", choices, usage)
 
         choices = {index: _Choice(index, p) for index, p, _, _ in prepared.jobs()}
         try:

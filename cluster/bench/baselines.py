@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.bench.runner import RequestResult, RunResult, latency_summary
+from cluster.bench.runner import RequestResult, RunResult
 from cluster.bench.workloads import BenchRequest
 
 
@@ -72,16 +72,8 @@ def run_transformers_static(model, tokenizer, workload: list[BenchRequest], batc
     wall = time.monotonic() - start
     bar.close()
     requests = [results[r.id] for r in workload]
-    tokens = sum(r.output_tokens for r in requests)
-    return RunResult(
-        policy="transformers-static",
-        output_tokens=tokens,
-        wall_s=wall,
-        num_steps=steps,
-        output_tokens_per_s=tokens / wall,
-        latency_s=latency_summary([r.latency_s for r in requests]),
-        requests=requests,
-        num_seats=batch_size,
+    return RunResult.from_requests(
+        "transformers-static", requests, wall_s=wall, num_steps=steps, num_seats=batch_size
     )
 
 
@@ -137,16 +129,8 @@ def run_transformers_continuous(
             raise RuntimeError(f"transformers continuous batching failed request {r.id}: {output.error}")
         end = output.lifespan[1] if output.lifespan[1] and output.lifespan[1] > 0 else seen_at
         requests.append(RequestResult(id=r.id, output_tokens=len(output.generated_tokens), finish_step=None, latency_s=end - start))
-    tokens = sum(q.output_tokens for q in requests)
-    return RunResult(
-        policy="transformers-continuous",
-        output_tokens=tokens,
-        wall_s=wall,
-        num_steps=None,
-        output_tokens_per_s=tokens / wall,
-        latency_s=latency_summary([q.latency_s for q in requests]),
-        requests=requests,
-        num_seats=max_num_seqs,
+    return RunResult.from_requests(
+        "transformers-continuous", requests, wall_s=wall, num_steps=None, num_seats=max_num_seqs
     )
 
 

@@ -60,6 +60,31 @@ class RunResult:
     num_seats: int | None = None
     vs_carpool: float | None = None  # output_tokens_per_s ÷ Carpool continuous's
 
+    @classmethod
+    def from_requests(
+        cls,
+        policy: str,
+        requests: list[RequestResult],
+        *,
+        wall_s: float,
+        num_steps: int | None,
+        num_seats: int | None,
+        occupancy: list[Segment] | None = None,
+    ) -> "RunResult":
+        """Totals derived from the per-request results: output tokens, tok/s over ``wall_s`` seconds, latency summary."""
+        tokens = sum(r.output_tokens for r in requests)
+        return cls(
+            policy=policy,
+            output_tokens=tokens,
+            wall_s=wall_s,
+            num_steps=num_steps,
+            output_tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+            latency_s=latency_summary([r.latency_s for r in requests]),
+            requests=requests,
+            occupancy=occupancy or [],
+            num_seats=num_seats,
+        )
+
 
 def run_result_from_dict(data: dict) -> RunResult:
     """The inverse of ``dataclasses.asdict`` for a :class:`RunResult` read back from ``--json``."""
@@ -189,17 +214,13 @@ def _run(engine, workload: list[BenchRequest], policy: str, progress: bool) -> R
         )
         for item, r in requests
     ]
-    tokens = sum(r.output_tokens for r in results)
-    return RunResult(
-        policy=policy,
-        output_tokens=tokens,
+    return RunResult.from_requests(
+        policy,
+        results,
         wall_s=wall,
         num_steps=scheduler.step_count - first_step,
-        output_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-        latency_s=latency_summary([r.latency_s for r in results]),
-        requests=results,
-        occupancy=tracker.finish(),
         num_seats=scheduler.max_num_seqs,
+        occupancy=tracker.finish(),
     )
 
 
