@@ -185,7 +185,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
             while not self.block_manager.can_allocate(request.request_id, target):
-                victim = self._pick_victim(request, out.scheduled)
+                victim = self._pick_victim(request)
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -257,21 +257,21 @@ class Scheduler:
         self.block_manager.allocate(request.request_id, num_tokens)
         request.block_ids = self.block_manager.block_table(request.request_id)
 
-    def _pick_victim(self, requester: Request, scheduled: list[ScheduledRequest]) -> Request:
+    def _pick_victim(self, requester: Request) -> Request:
         """The request to preempt so that ``requester`` can grow.
 
-        Padding rows (static policy) go first; then the newest running request not yet
-        scheduled in this step that holds blocks (preempting one without blocks frees nothing);
-        else the requester itself.
+        Padding rows (static policy, scheduled only after every real request) go first; then the
+        newest running request newer than ``requester`` that holds blocks (preempting one without
+        blocks frees nothing). Running requests are scheduled oldest first, so those newer than
+        the requester are not in this step yet. Else the requester itself.
         """
         for request in reversed(self.running):
             if request.is_padding and request.block_ids:
                 return request
-        done = {id(s.request) for s in scheduled}
         for request in reversed(self.running):
             if request is requester:
                 break
-            if not request.is_padding and request.block_ids and id(request) not in done:
+            if not request.is_padding and request.block_ids:
                 return request
         return requester
 
