@@ -51,6 +51,17 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (iteration-level) batching, or the static baseline."
     )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Seconds the engine loop may go without finishing a step while requests are queued; "
+            "past it the replica's health check fails and Serve replaces the replica."
+        ),
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -118,6 +129,14 @@ class ServeConfig(BaseModel):
         0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
+    shutdown_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish (new ones get "
+            "503 meanwhile) before the rest are ended with a 503 error and the server stops."
+        ),
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod

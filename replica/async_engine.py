@@ -5,6 +5,13 @@ abort) through a thread-safe queue that the loop drains before every step, so an
 its seat and blocks before the next step runs. Outputs go back to each request's
 ``asyncio.Queue`` on the caller's event loop. torch releases the GIL inside the forward, so the
 event loop (HTTP, Serve) stays responsive while a step runs.
+
+Failures: an error inside one step ends only the requests it concerns (see
+``replica.engine``); they get :class:`RequestFailedError` and the loop goes on. If the engine
+state is lost (``EngineStateError`` or any other escape from ``step()``), the loop stops, every
+open request gets :class:`EngineDeadError` and :attr:`AsyncLLMEngine.is_alive` turns false; the
+replica's health check then fails and Serve replaces the replica. :meth:`AsyncLLMEngine.stalled_for`
+tells how long the loop has made no progress while work is queued (a wedged loop).
 """
 
 from __future__ import annotations
@@ -19,14 +26,14 @@ from dataclasses import dataclass
 
 from cluster.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine
+from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.metrics import EngineMetrics
 from replica.request import Request, SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an error; the replica must be restarted."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError", "RequestFailedError"]
 
 
 @dataclass
@@ -58,6 +65,9 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         self._stopping = False
         self.last_step_time = time.monotonic()
+        # When the loop last made progress: finished a step, or found nothing to do.
+        self._last_progress = time.monotonic()
+        self._injected_stall_s = 0.0  # fault injection (tests): sleep this long in the next step
         self._thread = threading.Thread(target=self._run, name="carpool-engine-loop", daemon=True)
         self._thread.start()
 
@@ -77,6 +87,29 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The latest snapshot (updated by the loop after every step and command)."""
         return self._stats
+
+    def stalled_for(self) -> float:
+        """Seconds the loop has gone without progress (no step finished, not idle) while requests
+        are queued or running or commands wait for it; 0.0 when it is idle or progressing."""
+        s = self._stats
+        if not (s.num_running or s.num_waiting or not self._commands.empty()):
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: the loop thread sleeps ``seconds`` inside its next step
+        that has work, as a wedged forward would. Needs ``EngineConfig.enable_fault_injection``.
+
+        Raises ``RuntimeError`` when fault injection is not enabled.
+        """
+        if not self.engine.config.enable_fault_injection:
+            raise RuntimeError("fault injection is disabled (EngineConfig.enable_fault_injection)")
+        self._injected_stall_s = float(seconds)
+
+    def abort_all(self, reason: str) -> None:
+        """End every queued and running request (thread-safe); each open stream raises
+        :class:`RequestAbortedError` with ``reason``. Used when the server shuts down."""
+        self._commands.put(("abort_all", reason))
 
     async def generate(
         self,
@@ -136,8 +169,12 @@ class AsyncLLMEngine:
                 self._drain_commands(block=block)
                 if self._stopping:
                     break
+                if self._injected_stall_s and engine.has_unfinished_requests():
+                    stall, self._injected_stall_s = self._injected_stall_s, 0.0
+                    logger.warning("fault injection: engine loop stalls for %.1f s", stall)
+                    time.sleep(stall)
                 outputs = engine.step()
-                self.last_step_time = time.monotonic()
+                self.last_step_time = self._last_progress = time.monotonic()
                 self._stats = engine.stats()
                 for output in outputs:
                     self._deliver(output.request_id, output)
@@ -161,6 +198,7 @@ class AsyncLLMEngine:
                 command, arg = self._commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
                 if block and not self._stopping:
+                    self._last_progress = time.monotonic()  # idle, not stuck
                     continue
                 return
             block = False
@@ -176,9 +214,15 @@ class AsyncLLMEngine:
                 output = self.engine.abort(arg)
                 if output is not None:
                     self._deliver(arg, output)
+            elif command == "abort_all":
+                for request_id in list(self.engine.scheduler.requests):
+                    if self.engine.abort(request_id) is not None:
+                        self._deliver(request_id, RequestAbortedError(arg))
             self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
+        if isinstance(item, StepOutput) and item.error is not None:
+            item = RequestFailedError(item.error)
         with self._streams_lock:
             stream = self._streams.get(request_id)
         if stream is None:

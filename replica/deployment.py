@@ -66,6 +66,9 @@ class LLMReplica:
         Raises:
             ValueError: the request cannot be served (token outside the vocabulary, prompt
                 not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
+            replica.async_engine.RequestFailedError: an internal error ended this request
+                (the engine goes on serving the others).
+            replica.async_engine.RequestAbortedError: the server ended it (shutting down).
             replica.async_engine.EngineDeadError: the engine loop died (the health check then
                 fails and Serve restarts this replica).
         """
@@ -144,6 +147,7 @@ class LLMReplica:
             "num_steps": s.num_steps,
             "inflight": self._inflight,
             "num_requests": self._num_requests,
+            "pid": os.getpid(),
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -152,7 +156,8 @@ class LLMReplica:
         Keys: ``num_slots`` (seats = ``max_num_seqs``), ``num_running``, ``num_waiting``,
         ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``kv_cache_usage`` (0-1),
         ``num_preemptions``, ``num_steps``, ``inflight`` (requests this replica is streaming),
-        ``num_requests`` (requests received since start), ``replica`` (Serve replica id).
+        ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
+        ``pid`` (the replica's process id).
         """
         return self._stats_dict()
 
@@ -192,15 +197,35 @@ class LLMReplica:
         return self._stats_dict()
 
     async def check_health(self) -> None:
-        """Serve's health check: the engine loop must be alive; when idle, blocks must add up.
+        """Serve's health check: the engine loop must be alive and making progress; when idle,
+        blocks must add up.
 
-        Raises ``RuntimeError`` (engine loop dead) or ``AssertionError`` (KV accounting broken),
+        Raises ``RuntimeError`` (engine loop dead, or wedged: no step finished for more than
+        ``stall_timeout_s`` while work is queued) or ``AssertionError`` (KV accounting broken),
         and Serve then replaces this replica.
         """
         if not self.engine.is_alive:
             raise RuntimeError("engine loop is not running")
+        stalled = self.engine.stalled_for()
+        if stalled > self.config.stall_timeout_s:
+            raise RuntimeError(
+                f"engine loop wedged: no step for {stalled:.1f} s with work queued "
+                f"(stall_timeout_s={self.config.stall_timeout_s})"
+            )
         if self._is_quiescent():
             self.engine.engine.check_integrity()
+
+    async def abort_all(self, reason: str = "the server is shutting down") -> int:
+        """End every request on this replica (shutdown after its grace period); each client gets
+        a 503 with ``reason``. Returns how many requests were streaming here."""
+        inflight = self._inflight
+        self.engine.abort_all(reason)
+        return inflight
+
+    async def inject_stall(self, seconds: float) -> None:
+        """Testing only (``enable_fault_injection``): wedge the engine loop for ``seconds`` in its
+        next step with work. Raises ``RuntimeError`` when fault injection is disabled."""
+        self.engine.inject_stall(seconds)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -19,9 +19,16 @@ from replica.metrics import EngineMetrics
 from replica.model_loader import load_tokenizer, resolve_model_path
 from replica.model_runner import ModelRunner
 from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
-from replica.scheduler import Scheduler
+from replica.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# A forward that fails this many times in a row means the device or model is broken, not one batch.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineStateError(RuntimeError):
+    """The engine's state can no longer be trusted; the engine must be replaced."""
 
 
 @dataclass
@@ -98,6 +105,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
+        self._consecutive_failed_steps = 0
         self._refresh_gauges()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -212,9 +220,27 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one iteration; return a delta for every request that produced a token."""
+        """Run one iteration; return a delta for every request that produced a token or failed.
+
+        Failures are contained (see the module docstring):
+
+        * an error that belongs to one request (sampling its row alone, detokenizing, stop
+          handling) ends that request alone: its seat and blocks are freed and its output has
+          ``finish_reason="abort"`` and ``error`` set; the step's other requests go on;
+        * an error in the batched forward ends every request of this step the same way (their
+          KV blocks may hold half-written entries), and the engine keeps serving the rest.
+
+        Raises:
+            EngineStateError: the engine state cannot be trusted any more (the scheduler failed,
+                the block accounting no longer adds up after a failure, or
+                ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row failed). The caller must stop
+                using this engine.
+        """
         started = time.monotonic()
-        out = self.scheduler.schedule()
+        try:
+            out = self.scheduler.schedule()
+        except Exception as exc:
+            raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
         self.last_step_output = out
         if out.is_empty:
             return []
@@ -226,39 +252,25 @@ class LLMEngine:
                 request.first_scheduled_time = started
                 if metrics is not None:
                     metrics.on_first_scheduled(started - request.arrival_time)
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:
+            return self._fail_step(out, exc)
+        self._consecutive_failed_steps = 0
+        outputs = []
+        for row, exc in result.errors.items():  # rows whose sampling failed: end them before the update
+            request = out.scheduled[row].request
+            outputs.append(self._fail_request(request, exc))
         logprobs_of = {
             id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
         }
         produced = self.scheduler.update_from_output(out, result.sampled_token_ids)
         now = time.monotonic()
-        outputs = []
         for request in produced:
-            first = request.first_token_time is None
-            if first:
-                request.first_token_time = now
-            if metrics is not None:
-                if first:
-                    metrics.on_prompt_prefilled(request.num_prompt_tokens)
-                metrics.on_token(
-                    first=first, since_previous_s=now - (request.arrival_time if first else request.last_token_time)
-                )
-            request.last_token_time = now
-            token_id = request.output_token_ids[-1]
-            detokenizer = self._detokenizers[request.request_id]
-            update = detokenizer.update([token_id], finished=request.is_finished)
-            if update.stop_string is not None:
-                if request.is_finished:
-                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
-                else:
-                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
-            if request.is_finished:
-                request.finished_time = now
-                self._detokenizers.pop(request.request_id, None)
-                if metrics is not None:
-                    metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
-            lp = logprobs_of.get(id(request))
-            outputs.append(self._output(request, [token_id], update.delta_text, [lp] if lp else None))
+            try:
+                outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
+            except Exception as exc:
+                outputs.append(self._fail_request(request, exc))
         if metrics is not None:
             metrics.on_step(
                 num_tokens=out.num_batched_tokens,
@@ -267,6 +279,75 @@ class LLMEngine:
                 duration_s=time.monotonic() - started,
                 num_preempted=len(out.preempted),
             )
+        self._refresh_gauges()
+        return outputs
+
+    def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None) -> StepOutput:
+        """Record the token just appended to ``request``: metrics, detokenizer, stop strings."""
+        metrics = self.metrics
+        first = request.first_token_time is None
+        if first:
+            request.first_token_time = now
+        if metrics is not None:
+            if first:
+                metrics.on_prompt_prefilled(request.num_prompt_tokens)
+            metrics.on_token(
+                first=first, since_previous_s=now - (request.arrival_time if first else request.last_token_time)
+            )
+        request.last_token_time = now
+        token_id = request.output_token_ids[-1]
+        detokenizer = self._detokenizers[request.request_id]
+        update = detokenizer.update([token_id], finished=request.is_finished)
+        if update.stop_string is not None:
+            if request.is_finished:
+                request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
+            else:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
+        if request.is_finished:
+            request.finished_time = now
+            self._detokenizers.pop(request.request_id, None)
+            if metrics is not None:
+                metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
+        return self._output(request, [token_id], update.delta_text, [lp] if lp else None)
+
+    def _fail_request(self, request: Request, exc: BaseException) -> StepOutput:
+        """End ``request`` after an internal error: seat and blocks freed, an output with ``error``."""
+        logger.error("request %s failed: %r", request.request_id, exc, exc_info=exc)
+        if self.scheduler.requests.get(request.request_id) is request and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
+        else:  # finished in this step already (its blocks are free); report the error instead
+            request.finish_reason, request.stop_reason = FinishReason.ABORT, None
+        request.finished_time = time.monotonic()
+        self._detokenizers.pop(request.request_id, None)
+        if self.metrics is not None:
+            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
+        output = self._output(request, [], "", None)
+        output.error = f"internal error while generating: {type(exc).__name__}: {exc}"
+        return output
+
+    def _fail_step(self, out: SchedulerOutput, exc: BaseException) -> list[StepOutput]:
+        """The forward of ``out`` failed: end every request it scheduled, then check the state."""
+        self._consecutive_failed_steps += 1
+        logger.error(
+            "engine step %d failed (%d in a row); ending its %d requests",
+            out.step, self._consecutive_failed_steps, len(out.scheduled), exc_info=exc,
+        )
+        outputs = []
+        seen: set[str] = set()
+        for sched in out.scheduled:
+            request = sched.request
+            if sched.is_padding or request.request_id in seen:
+                continue  # a static batch's padding row: finished already, freed with its batch
+            seen.add(request.request_id)
+            outputs.append(self._fail_request(request, exc))
+        try:
+            self.check_integrity()
+        except AssertionError as broken:
+            raise EngineStateError(f"KV block accounting broken after a failed step: {broken}") from exc
+        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineStateError(
+                f"{self._consecutive_failed_steps} engine steps in a row failed; last error: {exc!r}"
+            ) from exc
         self._refresh_gauges()
         return outputs
 

@@ -9,7 +9,7 @@ logits only at the positions that sample (``logits_to_keep``), and samples.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,10 +50,14 @@ def model_shape(hf_config) -> ModelShape:
 
 @dataclass
 class StepResult:
-    """Per scheduled row of a step: the sampled token (None if the row does not sample) and logprobs."""
+    """Per scheduled row of a step: the sampled token (None if the row does not sample) and logprobs.
+
+    ``errors`` maps a row to the exception that sampling that row alone raised (its token is None).
+    """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
+    errors: dict[int, Exception] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -201,10 +205,25 @@ class ModelRunner:
                         request.sampling_params.seed
                     )
             real_logits = logits if not padding else logits[real]
-            sampled = self.sampler(real_logits, requests)
-            for i, token_id, lp in zip(real, sampled.token_ids, sampled.logprobs):
-                result.sampled_token_ids[sample_rows[i]] = token_id
-                result.logprobs[sample_rows[i]] = lp
+            try:
+                sampled = self.sampler(real_logits, requests)
+            except Exception:
+                # One request's parameters or state may break the batched sampler: sample each
+                # row alone, so that only the rows that fail by themselves fail.
+                logger.exception("batched sampling failed; sampling the %d rows one by one", len(real))
+                for k, (i, request) in enumerate(zip(real, requests)):
+                    row = sample_rows[i]
+                    try:
+                        one = self.sampler(real_logits[k : k + 1], [request])
+                    except Exception as exc:
+                        result.errors[row] = exc
+                        continue
+                    result.sampled_token_ids[row] = one.token_ids[0]
+                    result.logprobs[row] = one.logprobs[0]
+            else:
+                for i, token_id, lp in zip(real, sampled.token_ids, sampled.logprobs):
+                    result.sampled_token_ids[sample_rows[i]] = token_id
+                    result.logprobs[sample_rows[i]] = lp
         if padding:
             # A padded static batch computes these rows too; their tokens are thrown away.
             for i, token_id in zip(padding, logits[padding].argmax(dim=-1).tolist()):

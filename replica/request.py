@@ -274,6 +274,8 @@ class StepOutput:
 
     ``new_token_ids`` / ``new_text`` are the tokens and text that became final in this step
     (text held back while it could still be the start of a stop string is emitted later).
+    ``error`` is set (and ``finish_reason`` is ``abort``) when the engine ended this request
+    because of an internal error in its own processing or in its step's forward.
     """
 
     request_id: str
@@ -285,3 +287,4 @@ class StepOutput:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None
