@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.carpool-installed
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench clean prometheus
+.PHONY: install test soak serve bench clean prometheus
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "Installing Carpool and its dependencies into $(VENV) (several minutes the first time)..."
@@ -25,6 +25,10 @@ prometheus:
 
 test: $(STAMP) prometheus
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The long run: 5,000 mixed requests against a served app (several minutes; prints its figures).
+soak: $(STAMP)
+	$(PY) -m pytest -m soak -s tests/e2e/test_soak.py $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/carpool serve $(ARGS)

@@ -130,6 +130,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
+    shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", help="Seconds in-flight requests may take to finish on SIGTERM/Ctrl-C before they are ended (default: 30)."),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     try:
@@ -144,6 +145,7 @@ def serve(
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
         "api_key": api_key, "address": address, "include_dashboard": dashboard,
+        "shutdown_timeout_s": shutdown_timeout,
     }
     try:
         cfg = build_config(config, overrides, engine_overrides)
@@ -160,13 +162,17 @@ def _fail(message: str) -> None:
 
 
 def serve_forever(cfg: ServeConfig) -> None:
-    """Start Ray and the app, print the URL, block until Ctrl-C/SIGTERM, then stop cleanly."""
+    """Start Ray and the app, print the URL, block until Ctrl-C/SIGTERM, then stop cleanly:
+    drain (new requests get 503, those in flight get ``shutdown_timeout_s`` seconds to finish,
+    the rest are ended with a 503 error), remove the app, stop Ray if we started it. A second
+    Ctrl-C skips the wait."""
     from cluster import app as carpool_app
 
     stop = threading.Event()
 
     def on_signal(signum, frame) -> None:
         stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop now
 
     typer.echo(f"carpool: starting {'Ray (joining ' + cfg.address + ')' if cfg.address else 'a local Ray cluster'} ...", err=True)
     try:
@@ -185,9 +191,30 @@ def serve_forever(cfg: ServeConfig) -> None:
     sys.stdout.flush()
     while not stop.wait(0.5):
         pass
-    typer.echo("carpool: stopping ...", err=True)
+    typer.echo(f"carpool: stopping: refusing new requests, up to {cfg.shutdown_timeout_s:g} s for those in flight ...", err=True)
+    try:
+        _drain(cfg)
+    except KeyboardInterrupt:
+        typer.echo("carpool: interrupted; stopping now", err=True)
     _shutdown(cfg)
     typer.echo("carpool: stopped", err=True)
+
+
+def _drain(cfg: ServeConfig) -> None:
+    """Ask every ingress replica to drain (see ``OpenAIIngress.drain``) and wait for them."""
+    from ray import serve
+
+    from cluster.app import INGRESS_DEPLOYMENT
+
+    try:
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=cfg.app_name)
+        results = handle.broadcast("drain", cfg.shutdown_timeout_s).results(timeout_s=cfg.shutdown_timeout_s + 30)
+    except Exception as exc:  # the app is already gone or broken: nothing left to drain
+        typer.echo(f"carpool: draining failed: {exc!r}", err=True)
+        return
+    for r in results:
+        if isinstance(r, dict):
+            typer.echo(f"carpool: {r['finished']} of {r['in_flight']} requests in flight finished, {r['ended']} ended", err=True)
 
 
 def _shutdown(cfg: ServeConfig) -> None:

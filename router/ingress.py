@@ -34,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import ServeConfig
+from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.request import SamplingParams, StepOutput, TokenLogprobs
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
 
@@ -167,16 +168,25 @@ def _finite(value: float) -> float:
 def _replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
-    ``ValueError`` (the engine refused the request) → 400; anything else (replica died, engine
-    loop dead, request cancelled by the system) → 503, so that clients retry.
+    ``ValueError`` (the engine refused the request) → 400; an internal error of the engine that
+    ended this request alone (``RequestFailedError``) → 500; anything else (the replica process
+    died, its engine loop stopped, the server ended the request while shutting down) → 503, so
+    that clients retry.
     """
     if isinstance(exc, OpenAIError):
         return exc
+    cause = getattr(exc, "cause", None)  # a RayTaskError carries the replica's own exception
     if isinstance(exc, ValueError):
-        cause = getattr(exc, "cause", None)
         return _sampling_error(cause if isinstance(cause, ValueError) else exc)
-    logger.warning("replica request failed: %r", exc)
-    return OpenAIError(f"the replica could not complete the request: {type(exc).__name__}", 503, type="service_unavailable_error", code="unavailable")
+    original = cause if isinstance(cause, BaseException) else exc
+    logger.warning("replica request failed: %r", original)
+    if isinstance(original, RequestFailedError):
+        return OpenAIError(str(original), 500, type="internal_server_error", code="internal_error")
+    if isinstance(original, (RequestAbortedError, EngineDeadError)):
+        detail = str(original)
+    else:  # e.g. ray.exceptions.ActorDiedError: the replica process is gone
+        detail = f"the replica serving this request failed ({type(original).__name__}); retry"
+    return OpenAIError(detail, 503, type="service_unavailable_error", code="unavailable")
 
 
 def _stream_event(
@@ -211,14 +221,49 @@ class OpenAIIngress:
         self._token_text: dict[int, str] = {}
         app.state.api_key = self.config.api_key
         self._health_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+        self._ready_once = False  # every replica was up at least once (start-up is over)
+        self._draining = False  # shutting down: new generation requests get 503
+        self._inflight = 0  # generation requests being answered (streams until their last event)
 
     # ---- endpoints ---------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 once every replica of the deployment is running and healthy; 503 before (and
-        whenever Serve reports the replica deployment as not healthy)."""
+        """200 once every replica has loaded its model, and from then on while at least one
+        replica is running (a replaced replica leaves the others serving); 503 before start-up
+        completes, while no replica can serve, and while the server shuts down."""
+        if self._draining:
+            return JSONResponse({"status": "shutting_down", "detail": "the server is shutting down"}, status_code=503)
         ok, detail = await self._replicas_healthy()
         return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail}, status_code=200 if ok else 503)
+
+    async def drain(self, timeout_s: float) -> dict[str, int]:
+        """Stop admitting (new generation requests get 503 ``shutting_down``), wait up to
+        ``timeout_s`` seconds for the requests in flight to finish, then end the rest on every
+        replica (their clients get a 503 error: JSON, or an error event and ``[DONE]``).
+
+        Called by ``carpool serve`` on SIGTERM/Ctrl-C. Returns ``in_flight`` (when draining
+        started), ``finished`` (completed within the grace period) and ``ended`` (cut off).
+        """
+        self._draining = True
+        at_start = self._inflight
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._inflight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        remaining = self._inflight
+        if remaining:
+            logger.warning("shutdown grace period over: ending %d requests", remaining)
+            await self.replica.broadcast("abort_all", "the server is shutting down").results_async(
+                timeout_s=10.0, return_exceptions=True
+            )
+            deadline = loop.time() + 10.0
+            while self._inflight and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+        return {"in_flight": at_start, "finished": at_start - remaining, "ended": remaining}
+
+    def _admit(self) -> None:
+        if self._draining:
+            raise OpenAIError("the server is shutting down", 503, type="service_unavailable_error", code="shutting_down")
 
     @app.get("/metrics", dependencies=[Depends(check_api_key)])
     async def metrics(self) -> Response:
@@ -252,6 +297,7 @@ class OpenAIIngress:
 
     @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
     async def completions(self, body: CompletionRequest):
+        self._admit()
         self._check_common(body)
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix", code="unsupported")
@@ -279,6 +325,7 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
     async def chat_completions(self, body: ChatCompletionRequest):
+        self._admit()
         self._check_common(body)
         if body.tools:
             raise OpenAIError("tools are not supported", param="tools", code="unsupported")
@@ -422,7 +469,10 @@ class OpenAIIngress:
             context = serve.get_replica_context()
             deployment = status.applications[context.app_name].deployments["LLMReplica"]
             running = deployment.replica_states.get("RUNNING", 0)
-            ok = str(deployment.status).endswith("HEALTHY") and not str(deployment.status).endswith("UNHEALTHY") and running > 0
+            healthy = str(deployment.status).endswith("HEALTHY") and not str(deployment.status).endswith("UNHEALTHY")
+            self._ready_once = self._ready_once or (healthy and running > 0)
+            # After start-up, one running replica is enough to serve while Serve replaces others.
+            ok = running > 0 and (healthy or self._ready_once)
             detail = f"replicas: {deployment.status} ({running} running)"
         except Exception as exc:
             ok, detail = False, f"status unavailable: {exc!r}"
@@ -480,6 +530,7 @@ class OpenAIIngress:
         """Non-streaming: one ``generate_all`` call per choice (one message back, not one per
         token). If this handler is cancelled (client gone), the calls are cancelled too."""
         jobs = prepared.jobs()
+        self._inflight += 1
         responses = [
             self.replica.generate_all.remote(f"{prepared.request_id}-{index}", ids, params)
             for index, _, ids, params in jobs
@@ -489,6 +540,7 @@ class OpenAIIngress:
         except Exception as exc:
             raise _replica_error(exc) from None
         finally:
+            self._inflight -= 1
             for response in responses:
                 response.cancel()  # no-op for the finished ones
         choices = []
@@ -585,9 +637,13 @@ class OpenAIIngress:
     # ---- streaming -----------------------------------------------------------------------------
     def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
         async def frames() -> AsyncIterator[str]:
-            async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+            self._inflight += 1  # counted from the first frame to the last (or the disconnect)
+            try:
+                async for event in events:
+                    yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                self._inflight -= 1
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

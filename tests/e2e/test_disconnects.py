@@ -1,0 +1,153 @@
+"""Clients that go away at every moment of a request, against a real served app.
+
+One replica with 2 seats, so that a third request really waits in the engine's queue, and a
+step budget of 8 tokens, so that a long prompt takes many prefill steps before its first token.
+After each disconnect the replica must drop the request within a second (about one step), keep
+serving the others, and its ``carpool:num_requests_running`` / ``num_requests_waiting`` /
+``kv_cache_usage_perc`` must read 0 once the load is gone. (Disconnects mid-stream and during a
+running non-streaming request are in ``test_api.py``.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.config import EngineConfig, ServeConfig
+
+ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=8, num_blocks=64, max_model_len=512)
+CONFIG = ServeConfig(app_name="e2e-disconnects", engine=ENGINE)
+
+
+@pytest.fixture(scope="module")
+def served(deploy):
+    with deploy(CONFIG, replicas=1) as served:
+        yield served
+
+
+def metrics(served) -> dict[str, float]:
+    """``carpool:*`` samples summed over replicas and labels (counters under their ``_total`` name)."""
+    text = httpx.get(served.root_url + "/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def assert_gauges_zero(served) -> None:
+    m = metrics(served)
+    for name in ("carpool:num_requests_running", "carpool:num_requests_waiting", "carpool:kv_cache_usage_perc"):
+        assert m[name] == 0.0, (name, m[name])
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Poll until ``predicate()``; returns the seconds it took."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def long_stream(client: httpx.Client, served, max_tokens: int = 400) -> httpx.Response:
+    """Open a streamed completion that holds its seat (``ignore_eos``) and read its first event."""
+    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    response = client.send(client.build_request("POST", served.base_url + "/completions", json=body), stream=True)
+    assert response.status_code == 200
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            break
+    return response
+
+
+def test_disconnect_while_queued(served):
+    """Both seats taken: a queued stream and a queued non-streaming request whose clients leave
+    are dropped from the waiting queue, and the two running requests carry on."""
+    before = metrics(served)["carpool:requests_aborted_total"]
+    with httpx.Client(timeout=60) as client:
+        seats = [long_stream(client, served), long_stream(client, served)]
+        try:
+            wait_for(lambda: served.stats()[0]["num_running"] == 2, 10, "both seats taken")
+            steps = served.stats()[0]["num_steps"]
+
+            # A queued stream: the response headers arrive, then the client leaves.
+            body = {"model": served.model, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}
+            queued = client.send(client.build_request("POST", served.base_url + "/completions", json=body), stream=True)
+            assert queued.status_code == 200
+            wait_for(lambda: served.stats()[0]["num_waiting"] == 1, 10, "the stream to be queued")
+            queued.close()
+            took = wait_for(lambda: served.stats()[0]["num_waiting"] == 0, 1.0, "the queued stream to go")
+            s = served.stats()[0]
+            assert s["num_running"] == 2, s
+
+            # A queued non-streaming request: the client's read timeout fires while it waits.
+            failures = []
+
+            def post() -> None:
+                try:
+                    httpx.post(served.base_url + "/completions", json={**body, "stream": False},
+                               timeout=httpx.Timeout(30, read=2.0))
+                    failures.append("the queued request was answered")
+                except httpx.ReadTimeout:
+                    pass
+
+            thread = threading.Thread(target=post)
+            thread.start()
+            wait_for(lambda: served.stats()[0]["num_waiting"] == 1, 10, "the request to be queued")
+            thread.join(30)
+            gone = time.monotonic()
+            wait_for(lambda: served.stats()[0]["num_waiting"] == 0, 1.0, "the queued request to go")
+            assert not failures, failures
+            s = served.stats()[0]
+            assert s["num_running"] == 2 and s["num_steps"] > steps, s  # the seats kept generating
+            assert time.monotonic() - gone < 1.0 and took < 1.0
+        finally:
+            for r in seats:
+                r.close()
+    served.wait_idle(timeout_s=1.0)
+    m = metrics(served)
+    assert m["carpool:requests_aborted_total"] - before == 4  # 2 queued + the 2 seat holders
+    assert_gauges_zero(served)
+
+
+def test_disconnect_before_the_first_token(served):
+    """A long prompt prefills 8 tokens per step; the client leaves as soon as the headers arrive,
+    so the request is aborted during its prefill: no token is ever generated for it."""
+    prompt = " ".join(["word"] * 300)  # about 300 tokens: ~38 prefill steps
+    before = metrics(served)
+    body = {"model": served.model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        response = client.send(client.build_request("POST", served.base_url + "/completions", json=body), stream=True)
+        assert response.status_code == 200
+        response.close()
+    closed = time.monotonic()
+    served.wait_idle(timeout_s=1.0)
+    assert time.monotonic() - closed < 1.0
+    after = metrics(served)
+    assert after["carpool:requests_aborted_total"] - before["carpool:requests_aborted_total"] == 1
+    assert after["carpool:generation_tokens_total"] == before["carpool:generation_tokens_total"]
+    assert_gauges_zero(served)
+
+
+def test_disconnect_mid_stream_and_mid_generation_reset_the_gauges(served):
+    """Mid-stream (several tokens read) and a non-streaming request cut off while it generates."""
+    with httpx.Client(timeout=60) as client:
+        response = long_stream(client, served)
+        for _ in range(3):
+            next(response.iter_lines())
+        assert served.stats()[0]["num_running"] == 1
+        response.close()
+    served.wait_idle(timeout_s=1.0)
+    assert_gauges_zero(served)
+
+    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.base_url + "/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+    served.wait_idle(timeout_s=1.0)
+    assert_gauges_zero(served)

@@ -1,0 +1,194 @@
+"""Replica failures under load, against a real served app with 2 replicas.
+
+* A replica process killed with SIGKILL while it streams: its clients get an OpenAI-style 503
+  (an error event then ``[DONE]`` for streams, a JSON body otherwise) instead of a hang; new
+  requests go to the live replica; Serve starts a new replica and both serve again within 60 s.
+* Both engine loops wedged (fault injection: ``EngineConfig.enable_fault_injection`` lets
+  ``LLMReplica.inject_stall(s)`` put the loop thread to sleep for ``s`` seconds in its next step):
+  once no step has finished for ``stall_timeout_s`` with work queued, the health check fails, Serve
+  replaces both replicas, ``/health`` answers 503 while none can serve and 200 again afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster.config import EngineConfig, ServeConfig
+
+ENGINE = EngineConfig(
+    dtype="bfloat16", max_num_seqs=8, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True
+)
+CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)
+RECOVERY_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def app(deploy):
+    """The app (not named ``served``: its replicas are broken on purpose, so the generic
+    after-test idle check does not apply; each test checks the replacements itself)."""
+    with deploy(CONFIG, replicas=2) as served:
+        yield served
+
+
+def stream_request(served, max_tokens: int, results: list, timeout: float = 120) -> None:
+    """A streamed completion; appends ``("done", finish_reason)`` or ``("error", error)``."""
+    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    outcome = None
+    try:
+        with httpx.stream("POST", served.base_url + "/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                results.append(("status", r.status_code, r.read().decode()))
+                return
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        if "error" in last:
+            outcome = ("error", last["error"])
+        else:
+            outcome = ("done", last["choices"][0]["finish_reason"])
+    except Exception as exc:  # a transport error is a failure of the test, recorded as such
+        outcome = ("exception", repr(exc))
+    results.append(outcome)
+
+
+def plain_request(served, max_tokens: int, results: list, timeout: float = 120) -> None:
+    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    try:
+        r = httpx.post(served.base_url + "/completions", json=body, timeout=timeout)
+        results.append(("status", r.status_code, r.json()))
+    except Exception as exc:
+        results.append(("exception", repr(exc)))
+
+
+def start(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def replica_stats(served) -> list[dict]:
+    try:
+        return served.stats()
+    except Exception:  # a replica is being replaced
+        return []
+
+
+def wait_full_capacity(served, old_pids: set[int], started: float) -> float:
+    """Both replicas up with new processes where old ones died, and both serving requests;
+    returns the seconds since ``started``."""
+    while True:
+        assert time.monotonic() - started < RECOVERY_S, f"not back to 2 serving replicas: {replica_stats(served)}"
+        stats = replica_stats(served)
+        if len(stats) == 2 and not ({s["pid"] for s in stats} & old_pids):
+            # A burst of short requests must reach both replicas (the router prefers free seats).
+            counts = {s["pid"]: s["num_requests"] for s in stats}
+            results: list = []
+            threads = [start(plain_request, served, 2, results, 30) for _ in range(8)]
+            for t in threads:
+                t.join(60)
+            stats = replica_stats(served)
+            if (
+                len(stats) == 2
+                and all(r[0] == "status" and r[1] == 200 for r in results)
+                and all(s["num_requests"] > counts.get(s["pid"], 0) for s in stats)
+            ):
+                return time.monotonic() - started
+        time.sleep(0.5)
+
+
+def assert_replaced_replicas_idle(served, old_pids: set[int]) -> None:
+    import ray
+
+    stats = served.wait_idle(timeout_s=10)
+    assert len(stats) == 2 and not ({s["pid"] for s in stats} & old_pids), stats
+    ray.get([a.check_health.remote() for a in served.replica_actors()], timeout=30)
+
+
+def test_a_killed_replica_is_replaced_and_its_clients_get_a_503(app):
+    served = app
+    assert httpx.get(served.root_url + "/health", timeout=10).status_code == 200
+    results: list = []
+    threads = [start(stream_request, served, 150, results) for _ in range(6)]
+    threads += [start(plain_request, served, 150, results) for _ in range(4)]
+    deadline = time.monotonic() + 30
+    while not all(s["num_running"] > 0 for s in (replica_stats(served) or [{"num_running": 0}])):
+        assert time.monotonic() < deadline, replica_stats(served)
+        time.sleep(0.05)
+    stats = served.stats()
+    victim = stats[0]
+    old_pids = {victim["pid"]}
+    os.kill(victim["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+
+    # New requests right after the kill: routed to the live replica (or refused with a 503, never a hang).
+    after: list = []
+    while time.monotonic() - killed < 8:
+        plain_request(served, 2, after, timeout=30)
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+    assert not [r for r in results + after if r[0] == "exception"], results + after
+    streams = [r for r in results if r[0] in ("done", "error")]
+    plains = [r for r in results if r[0] == "status"]
+    assert len(streams) == 6 and len(plains) == 4
+    failed = [r for r in streams if r[0] == "error"] + [r for r in plains if r[1] != 200]
+    assert failed, "the killed replica had requests in flight, they must fail"
+    assert len(failed) < len(results), "the live replica's requests must finish"
+    for r in streams:
+        assert r == ("done", "length") or (r[0] == "error" and r[1]["code"] == "unavailable"), r
+    for r in plains:
+        assert r[1] == 200 or (r[1] == 503 and r[2]["error"]["code"] == "unavailable"), r
+    ok_after = [r for r in after if r[1] == 200]
+    assert len(ok_after) >= len(after) - 1, after  # at most the one that found the dead replica first
+    assert all(r[1] in (200, 503) for r in after), after
+
+    recovered = wait_full_capacity(served, old_pids, killed)
+    print(f"\nkilled replica: {len(failed)} of {len(results)} in-flight requests got a 503, "
+          f"{len(ok_after)}/{len(after)} new requests served in the 8 s after the kill, "
+          f"both replicas serving again {recovered:.1f} s after the kill")
+    assert_replaced_replicas_idle(served, old_pids)
+
+
+def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
+    from ray import serve
+
+    served = app
+    old_pids = {s["pid"] for s in served.stats()}
+    handle = serve.get_deployment_handle("LLMReplica", app_name=CONFIG.app_name)
+    handle.broadcast("inject_stall", 300.0).results(timeout_s=30)
+    results: list = []
+    threads = [start(stream_request, served, 20, results) for _ in range(4)]
+    wedged = time.monotonic()
+    codes, first_503 = [], None
+    while time.monotonic() - wedged < RECOVERY_S:
+        codes.append(httpx.get(served.root_url + "/health", timeout=10).status_code)
+        if codes[-1] == 503 and first_503 is None:
+            first_503 = time.monotonic() - wedged
+        if first_503 is not None and codes[-1] == 200:
+            break
+        time.sleep(0.2)
+    healthy_again = time.monotonic() - wedged
+    assert 503 in codes, "no 503 from /health while both replicas were being replaced"
+    assert codes[-1] == 200, f"/health not back to 200 within {RECOVERY_S}s"
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a request on a wedged replica hung"
+    # Each request either got a 503 (its replica was replaced under it) or, if it was routed to
+    # a replacement, finished.
+    for r in results:
+        assert r == ("done", "length") or (r[0] == "error" and r[1]["code"] == "unavailable"), r
+    assert any(r[0] == "error" for r in results), results
+    recovered = wait_full_capacity(served, old_pids, wedged)
+    print(f"\nwedged loops: /health 503 from {first_503:.1f} s, 200 again after {healthy_again:.1f} s; "
+          f"full capacity after {recovered:.1f} s; in-flight: {results}")
+    assert_replaced_replicas_idle(served, old_pids)

@@ -1,0 +1,110 @@
+"""``carpool serve`` on SIGTERM: stop admitting, let in-flight requests finish within the grace
+period (``--shutdown-timeout``), end the rest cleanly, exit 0.
+
+A real subprocess with its own local Ray cluster on a free 127.0.0.1 port. SIGTERM goes to the
+``carpool`` process alone, as Kubernetes or systemd send it (Ctrl-C in a terminal signals the
+whole process group, Ray's own processes included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+
+from tests.e2e.conftest import free_port
+from tests.e2e.test_cli import CARPOOL
+
+GRACE_S = 8
+
+
+def stream(url: str, max_tokens: int, out: dict, first_event: threading.Event) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    events = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first_event.set()
+    except Exception as exc:
+        out["exception"] = repr(exc)
+    out["events"] = events
+    out["ended"] = time.monotonic()
+    first_event.set()
+
+
+def test_sigterm_drains_then_exits(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(
+        [CARPOOL, "serve", "--replicas", "1", "--port", str(port), "--dtype", "bfloat16", "--seats", "4",
+         "--num-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", str(GRACE_S)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while "is serving" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "carpool serve did not come up"
+            time.sleep(0.5)
+
+        short, long_ = {}, {}
+        short_started, long_started = threading.Event(), threading.Event()
+        threads = [
+            threading.Thread(target=stream, args=(url, 40, short, short_started), daemon=True),  # ends within the grace
+            threading.Thread(target=stream, args=(url, 900, long_, long_started), daemon=True),  # cut off by it
+        ]
+        for t in threads:
+            t.start()
+        assert short_started.wait(60) and long_started.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+
+        # New requests are refused with a 503 once draining has begun (a moment after the signal).
+        refused = None
+        while refused is None and time.monotonic() - signalled < 10:
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+            if r.status_code == 503:
+                refused = r
+            else:
+                assert r.status_code == 200, r.text
+                time.sleep(0.1)
+        assert refused is not None, "new requests were still admitted 10 s after SIGTERM"
+        assert refused.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+        for t in threads:
+            t.join(GRACE_S + 30)
+        rc = proc.wait(timeout=GRACE_S + 60)
+        exited = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    output = log_path.read_text()
+    assert rc == 0, output[-3000:]
+    assert "carpool: stopped" in output
+    assert "1 of 2 requests in flight finished, 1 ended" in output, output[-3000:]
+
+    # The short stream finished normally within the grace period.
+    assert short["status"] == 200 and "exception" not in short, short
+    assert short["events"][-1] == "[DONE]"
+    assert json.loads(short["events"][-2])["choices"][0]["finish_reason"] == "length"
+    # The long one was ended cleanly at the end of the grace period: an error event, then [DONE].
+    assert long_["status"] == 200 and "exception" not in long_, long_
+    assert long_["events"][-1] == "[DONE]"
+    error = json.loads(long_["events"][-2])["error"]
+    assert error["code"] == "unavailable" and "shutting down" in error["message"]
+    assert GRACE_S - 1 < long_["ended"] - signalled < GRACE_S + 15
+    assert exited < GRACE_S + 60
+    print(f"\nSIGTERM: exited with 0 after {exited:.1f} s; long stream ended {long_['ended'] - signalled:.1f} s after the signal")

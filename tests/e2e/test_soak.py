@@ -1,0 +1,171 @@
+"""The long run (``make soak``; excluded from ``make test`` by the ``soak`` marker).
+
+5,000 mixed requests against a real served app (2 replicas of the real SmolLM2): short and long,
+streamed and not, completions and chat, some cancelled by their client (a stream closed after a
+few events or before the first, a non-streaming call abandoned), with a KV pool small enough that
+preemption really happens. At the end every replica must be idle with every block free and
+``check_integrity()`` passing (the autouse check of ``conftest.py``), no request may have failed,
+and each replica's resident memory (RSS of its process, measured after a warm-up) may grow by
+at most ``MAX_RSS_GROWTH``. The figures are printed (run with ``-s``) and written to
+``$CARPOOL_SOAK_JSON`` when that is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+
+import httpx
+import psutil
+import pytest
+
+from cluster.config import EngineConfig, ServeConfig
+from tests.e2e.test_disconnects import assert_gauges_zero, metrics
+
+NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))
+WARMUP = 300
+CONCURRENCY = 48
+MAX_RSS_GROWTH = 0.05
+# 16 seats but 40 blocks × 16 = 640 tokens of KV per replica: a few long requests fill it.
+ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=16, num_blocks=40, max_model_len=256)
+CONFIG = ServeConfig(app_name="e2e-soak", engine=ENGINE)
+WORDS = "the sea river light stone cloud winter garden music paper window mountain story city bird".split()
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(3600)]
+
+
+@pytest.fixture(scope="module")
+def served(deploy):
+    with deploy(CONFIG, replicas=2) as served:
+        yield served
+
+
+def make_request(rng: random.Random, model: str) -> dict:
+    """One request of the mix: ``kind`` (what the client does) and the HTTP body."""
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 50)))
+    roll = rng.random()
+    if roll < 0.10:
+        kind, max_tokens = rng.choice(["cancel_stream", "cancel_stream", "cancel_plain"]), 40
+    elif roll < 0.25:
+        kind, max_tokens = rng.choice(["stream", "plain"]), rng.randint(24, 48)
+    else:
+        kind, max_tokens = rng.choice(["stream", "plain", "plain"]), rng.randint(1, 4)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": rng.choice([0, 0.8]), "ignore_eos": True,
+            "stream": kind in ("stream", "cancel_stream")}
+    if rng.random() < 0.3:
+        return {"kind": kind, "path": "/chat/completions", "body": {**body, "messages": [{"role": "user", "content": prompt}]}}
+    return {"kind": kind, "path": "/completions", "body": {**body, "prompt": prompt}, "cut": rng.randint(0, 3)}
+
+
+async def run_one(client: httpx.AsyncClient, base_url: str, req: dict) -> str:
+    """Send one request; returns ``completed``, ``cancelled`` or ``failed: ...``."""
+    url = base_url + req["path"]
+    kind = req["kind"]
+    if kind == "cancel_plain":
+        try:
+            await asyncio.wait_for(client.post(url, json=req["body"]), timeout=0.3)
+        except asyncio.TimeoutError:
+            return "cancelled"
+        return "completed"  # it was quicker than the client's patience
+    if kind == "plain":
+        r = await client.post(url, json=req["body"])
+        if r.status_code != 200:
+            return f"failed: {r.status_code} {r.text[:200]}"
+        reason = r.json()["choices"][0]["finish_reason"]
+        return "completed" if reason == "length" else f"failed: finish_reason {reason}"
+    async with client.stream("POST", url, json=req["body"]) as r:
+        if r.status_code != 200:
+            return f"failed: {r.status_code}"
+        events = 0
+        last = None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if kind == "cancel_stream" and events >= req.get("cut", 1):
+                return "cancelled"  # leaving the block closes the connection
+            events += 1
+            last = line[6:]
+        if last != "[DONE]":
+            return f"failed: stream ended with {last!r}"
+        return "completed"
+
+
+async def run_mix(base_url: str, requests: list[dict]) -> dict:
+    """Send ``requests`` with ``CONCURRENCY`` clients; counts per outcome (and the first failures)."""
+    counts: dict = {"failures": []}
+    queue: asyncio.Queue = asyncio.Queue()
+    for req in requests:
+        queue.put_nowait(req)
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                req = queue.get_nowait()
+                try:
+                    outcome = await run_one(client, base_url, req)
+                except Exception as exc:
+                    outcome = f"failed: {exc!r}"
+                key = outcome if outcome in ("completed", "cancelled") else "failed"
+                counts[key] = counts.get(key, 0) + 1
+                if key == "failed" and len(counts["failures"]) < 5:
+                    counts["failures"].append(outcome)
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    return counts
+
+
+def replica_rss(served) -> dict[int, int]:
+    """Resident set size (bytes) of each replica process, by pid."""
+    return {s["pid"]: psutil.Process(s["pid"]).memory_info().rss for s in served.stats()}
+
+
+def test_soak(served):
+    rng = random.Random(7)
+    warmup = [make_request(rng, served.model) for _ in range(WARMUP)]
+    mix = [make_request(rng, served.model) for _ in range(NUM_REQUESTS)]
+    counts = asyncio.run(run_mix(served.base_url, warmup))
+    assert counts.get("failed", 0) == 0, counts
+    served.wait_idle(timeout_s=10)
+    rss_before = replica_rss(served)
+    before = metrics(served)
+
+    started = time.monotonic()
+    counts = asyncio.run(run_mix(served.base_url, mix))
+    wall = time.monotonic() - started
+    stats = served.wait_idle(timeout_s=10)
+    rss_after = replica_rss(served)
+    after = metrics(served)
+    delta = {name: after[name] - before.get(name, 0.0) for name in (
+        "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total")}
+    figures = {
+        "requests": NUM_REQUESTS,
+        "completed": counts.get("completed", 0),
+        "cancelled_by_client": counts.get("cancelled", 0),
+        "failed": counts.get("failed", 0),
+        "aborted_in_engine": int(delta["carpool:requests_aborted_total"]),
+        "preemptions": int(delta["carpool:num_preemptions_total"]),
+        "generated_tokens": int(delta["carpool:generation_tokens_total"]),
+        "blocks_free_at_end": [f"{s['num_free_blocks']}/{s['num_total_blocks']}" for s in stats],
+        "rss_mib_before": {pid: round(v / 2**20, 1) for pid, v in rss_before.items()},
+        "rss_mib_after": {pid: round(v / 2**20, 1) for pid, v in rss_after.items()},
+        "wall_s": round(wall, 1),
+        "warmup_requests": WARMUP,
+    }
+    print("\nsoak:", json.dumps(figures, indent=1))
+    if os.environ.get("CARPOOL_SOAK_JSON"):
+        with open(os.environ["CARPOOL_SOAK_JSON"], "w") as f:
+            json.dump(figures, f, indent=1)
+
+    assert counts.get("failed", 0) == 0, counts
+    assert figures["completed"] + figures["cancelled_by_client"] == NUM_REQUESTS
+    assert figures["cancelled_by_client"] > 0 and 0 < figures["aborted_in_engine"] <= figures["cancelled_by_client"]
+    assert figures["preemptions"] > 0
+    assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
+    assert set(rss_after) == set(rss_before), "a replica was restarted during the soak"
+    for pid, rss in rss_before.items():
+        assert rss_after[pid] <= rss * (1 + MAX_RSS_GROWTH), (pid, rss, rss_after[pid])
+    assert_gauges_zero(served)
