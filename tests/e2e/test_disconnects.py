@@ -49,21 +49,35 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:
     """Poll until ``predicate()``; returns the seconds it took."""
     started = time.monotonic()
     while not predicate():
-        assert time.monotonic() - started < timeout_s, f"timed out after {timeout_s}s waiting for {what}"
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.01)
     return time.monotonic() - started
 
 
-def long_stream(client: httpx.Client, served, max_tokens: int = 400) -> httpx.Response:
-    """Open a streamed completion that holds its seat (``ignore_eos``) and read its first event."""
-    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
-    response = client.send(client.build_request("POST", served.base_url + "/completions", json=body), stream=True)
-    assert response.status_code == 200
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            break
-    return response
+class LongStream:
+    """A streamed completion that holds its seat (``ignore_eos``); its first event is read.
+
+    The line iterator is kept: dropping a partly read httpx iterator closes the connection.
+    """
+
+    def __init__(self, client: httpx.Client, served, max_tokens: int = 400) -> None:
+        body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        request = client.build_request("POST", served.base_url + "/completions", json=body)
+        self.response = client.send(request, stream=True)
+        assert self.response.status_code == 200
+        self.lines = self.response.iter_lines()
+        self.next_event()
+
+    def next_event(self) -> str:
+        for line in self.lines:
+            if line.startswith("data: "):
+                return line[6:]
+        raise AssertionError("the stream ended")
+
+    def close(self) -> None:
+        self.response.close()
 
 
 def test_disconnect_while_queued(served):
@@ -71,7 +85,7 @@ def test_disconnect_while_queued(served):
     are dropped from the waiting queue, and the two running requests carry on."""
     before = metrics(served)["carpool:requests_aborted_total"]
     with httpx.Client(timeout=60) as client:
-        seats = [long_stream(client, served), long_stream(client, served)]
+        seats = [LongStream(client, served), LongStream(client, served)]
         try:
             wait_for(lambda: served.stats()[0]["num_running"] == 2, 10, "both seats taken")
             steps = served.stats()[0]["num_steps"]
@@ -117,14 +131,28 @@ def test_disconnect_while_queued(served):
 
 
 def test_disconnect_before_the_first_token(served):
-    """A long prompt prefills 8 tokens per step; the client leaves as soon as the headers arrive,
-    so the request is aborted during its prefill: no token is ever generated for it."""
-    prompt = " ".join(["word"] * 300)  # about 300 tokens: ~38 prefill steps
-    before = metrics(served)
+    """A long prompt prefills 8 tokens per step (~38 steps). The client leaves (1) at once, when
+    the response headers arrive, and (2) once the request has a seat and is prefilling: it is
+    aborted there and no token is ever generated for it."""
+    prompt = " ".join(["word"] * 300)  # about 300 tokens
     body = {"model": served.model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
+    url = served.base_url + "/completions"
     with httpx.Client(timeout=60) as client:
-        response = client.send(client.build_request("POST", served.base_url + "/completions", json=body), stream=True)
+        before = metrics(served)
+        response = client.send(client.build_request("POST", url, json=body), stream=True)
         assert response.status_code == 200
+        response.close()
+        served.wait_idle(timeout_s=1.0)
+        after = metrics(served)
+        # It may have been cancelled before it reached the engine; it never produced a token.
+        assert after["carpool:requests_aborted_total"] - before["carpool:requests_aborted_total"] in (0, 1)
+        assert after["carpool:generation_tokens_total"] == before["carpool:generation_tokens_total"]
+        assert_gauges_zero(served)
+
+        before = after
+        response = client.send(client.build_request("POST", url, json=body), stream=True)
+        assert response.status_code == 200
+        wait_for(lambda: served.stats()[0]["num_running"] == 1, 10, "the request to take a seat")
         response.close()
     closed = time.monotonic()
     served.wait_idle(timeout_s=1.0)
@@ -138,11 +166,11 @@ def test_disconnect_before_the_first_token(served):
 def test_disconnect_mid_stream_and_mid_generation_reset_the_gauges(served):
     """Mid-stream (several tokens read) and a non-streaming request cut off while it generates."""
     with httpx.Client(timeout=60) as client:
-        response = long_stream(client, served)
+        stream = LongStream(client, served)
         for _ in range(3):
-            next(response.iter_lines())
+            assert stream.next_event() != "[DONE]"
         assert served.stats()[0]["num_running"] == 1
-        response.close()
+        stream.close()
     served.wait_idle(timeout_s=1.0)
     assert_gauges_zero(served)
 
