@@ -26,7 +26,10 @@ ENGINE = EngineConfig(
     dtype="bfloat16", max_num_seqs=8, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True
 )
 CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)
-RECOVERY_S = 60.0
+RECOVERY_S = 60.0  # a killed replica: back to full capacity within this
+# Wedged loops: stall_timeout_s, then Serve's 3 failed health checks 5 s apart, then the
+# replacement of both replicas at once on 2 shared cores.
+WEDGE_RECOVERY_S = 90.0
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +85,11 @@ def replica_stats(served) -> list[dict]:
         return []
 
 
-def wait_full_capacity(served, old_pids: set[int], started: float) -> float:
+def wait_full_capacity(served, old_pids: set[int], started: float, limit_s: float = RECOVERY_S) -> float:
     """Both replicas up with new processes where old ones died, and both serving requests;
     returns the seconds since ``started``."""
     while True:
-        assert time.monotonic() - started < RECOVERY_S, f"not back to 2 serving replicas: {replica_stats(served)}"
+        assert time.monotonic() - started < limit_s, f"not back to 2 serving replicas: {replica_stats(served)}"
         stats = replica_stats(served)
         if len(stats) == 2 and not ({s["pid"] for s in stats} & old_pids):
             # A burst of short requests must reach both replicas (the router prefers free seats).
@@ -170,7 +173,7 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     threads = [start(stream_request, served, 20, results) for _ in range(4)]
     wedged = time.monotonic()
     codes, first_503 = [], None
-    while time.monotonic() - wedged < RECOVERY_S:
+    while time.monotonic() - wedged < WEDGE_RECOVERY_S:
         codes.append(httpx.get(served.root_url + "/health", timeout=10).status_code)
         if codes[-1] == 503 and first_503 is None:
             first_503 = time.monotonic() - wedged
@@ -179,7 +182,7 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
         time.sleep(0.2)
     healthy_again = time.monotonic() - wedged
     assert 503 in codes, "no 503 from /health while both replicas were being replaced"
-    assert codes[-1] == 200, f"/health not back to 200 within {RECOVERY_S}s"
+    assert codes[-1] == 200, f"/health not back to 200 within {WEDGE_RECOVERY_S}s"
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a request on a wedged replica hung"
@@ -188,7 +191,7 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     for r in results:
         assert r == ("done", "length") or (r[0] == "error" and r[1]["code"] == "unavailable"), r
     assert any(r[0] == "error" for r in results), results
-    recovered = wait_full_capacity(served, old_pids, wedged)
+    recovered = wait_full_capacity(served, old_pids, wedged, WEDGE_RECOVERY_S)
     print(f"\nwedged loops: /health 503 from {first_503:.1f} s, 200 again after {healthy_again:.1f} s; "
           f"full capacity after {recovered:.1f} s; in-flight: {results}")
     assert_replaced_replicas_idle(served, old_pids)
