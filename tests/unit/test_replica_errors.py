@@ -1,0 +1,42 @@
+"""How the ingress answers each way a replica request can fail (``router.ingress._replica_error``).
+
+The exceptions are the real ones, as they reach the ingress: the replica's own exception wrapped
+by Ray (``RayTaskError``, which keeps it as ``cause`` and is an instance of its class), or Ray's
+own error when the replica process is gone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from router.ingress import _replica_error
+
+
+def from_replica(exc: BaseException) -> BaseException:
+    """``exc`` as Ray delivers an exception raised inside a replica method."""
+    return RayTaskError("generate", "Traceback: ...", exc).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("wrap", [lambda e: e, from_replica])
+def test_engine_errors_map_to_500_and_503_with_their_message(wrap):
+    failed = _replica_error(wrap(RequestFailedError("internal error while generating: TypeError: boom")))
+    assert failed.status_code == 500 and failed.body()["error"]["code"] == "internal_error"
+    assert "TypeError: boom" in failed.message
+
+    ended = _replica_error(wrap(RequestAbortedError("the server is shutting down")))
+    assert ended.status_code == 503 and ended.message == "the server is shutting down"
+    assert ended.body()["error"]["type"] == "service_unavailable_error"
+
+    dead = _replica_error(wrap(EngineDeadError("engine loop died: IndexError()")))
+    assert dead.status_code == 503 and "engine loop died" in dead.message
+
+
+def test_a_dead_replica_process_is_a_503_and_bad_input_a_400():
+    gone = _replica_error(ActorDiedError())
+    assert gone.status_code == 503 and "ActorDiedError" in gone.message
+    assert gone.body()["error"]["code"] == "unavailable"
+
+    bad = _replica_error(from_replica(ValueError("top_k must be -1, 0 or positive, got -5")))
+    assert bad.status_code == 400 and bad.body()["error"]["param"] == "top_k"
