@@ -45,7 +45,7 @@ def offline(
     mean_tokens: float = typer.Option(64.0, min=1.0, help="sweep: mean of the exponential output length."),
     caps: str = typer.Option("32,128,512", help="sweep: comma-separated caps on the output length."),
     seed: int = typer.Option(0, help="sweep: seed of the length draw."),
-    compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available); ratios to Carpool."),
+    compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available) or 'transformers-static' (generate only); ratios to Carpool."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNGs PATH-occupancy.png and PATH-latency.png (sweep: PATH-sweep.png)."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),

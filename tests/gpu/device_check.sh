@@ -19,11 +19,11 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" --maxfail=10 
 echo "== throughput"
 for shape in smollm2-135m llama3-8b; do
   python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape $shape --out /tmp/$shape --device cuda || continue
-  for seats in 32 128; do
+  for seats in 64; do
     echo "-- $shape, $seats seats"
-    timeout 90 python3 -m cluster.bench offline --model /tmp/$shape --device cuda --dtype bfloat16 \
-      --workload seed-mix --num-requests 256 --seats $seats --max-num-batched-tokens 4096 \
-      --kv-cache-memory 17179869184 --compare transformers --no-progress \
+    timeout 120 python3 -m cluster.bench offline --model /tmp/$shape --device cuda --dtype bfloat16 \
+      --workload seed-mix --num-requests 128 --seats $seats --max-num-batched-tokens 2048 \
+      --kv-cache-memory 8589934592 --compare transformers-static --no-progress \
       --json $OUT/bench-$shape-$seats.json 2>&1 | grep -v Warning | tail -12
   done
   rm -rf /tmp/$shape
