@@ -422,7 +422,8 @@ class OpenAIIngress:
             context = serve.get_replica_context()
             deployment = status.applications[context.app_name].deployments["LLMReplica"]
             running = deployment.replica_states.get("RUNNING", 0)
-            ok = str(deployment.status).endswith("HEALTHY") and not str(deployment.status).endswith("UNHEALTHY") and running > 0
+            # UPSCALING/DOWNSCALING: an autoscaled deployment whose running replicas serve.
+            ok = running > 0 and str(deployment.status).rsplit(".", 1)[-1] in ("HEALTHY", "UPSCALING", "DOWNSCALING")
             detail = f"replicas: {deployment.status} ({running} running)"
         except Exception as exc:
             ok, detail = False, f"status unavailable: {exc!r}"
