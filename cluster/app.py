@@ -1,6 +1,8 @@
 """Bind the replica deployment and the HTTP ingress into one Serve application; start or join Ray.
 
 ``build_app(config)`` returns the Serve ``Application`` (ingress bound to the replicas);
+``app_builder(args)`` is the same for Serve config files (``import_path: cluster.app:app_builder``,
+see ``deploy/serve_config.yaml``);
 ``start_ray(config)`` starts a local Ray cluster or joins ``config.address``;
 ``run(config)`` does both plus ``serve.start``/``serve.run`` and returns the API's base URL.
 """
@@ -44,7 +46,19 @@ def resolve_replicas(config: ServeConfig) -> int:
         return int(config.replicas)
     import ray
 
-    resources = ray.cluster_resources()
+    return replicas_for_resources(config, ray.cluster_resources())
+
+
+def replicas_for_resources(config: ServeConfig, resources: dict[str, float]) -> int:
+    """``replicas=auto`` for a cluster with these resources (``ray.cluster_resources()``): one
+    replica per GPU when the device is CUDA, else one per ``num_cpus_per_replica`` CPUs (at least
+    one). An explicit ``config.replicas`` is returned as is.
+
+    Raises:
+        ValueError: the device is CUDA and the cluster has no GPU.
+    """
+    if config.replicas != "auto":
+        return int(config.replicas)
     if config.engine.device.startswith("cuda"):
         gpus = int(resources.get("GPU", 0))
         if gpus < 1:
@@ -53,14 +67,48 @@ def resolve_replicas(config: ServeConfig) -> int:
     return max(1, math.floor(resources.get("CPU", os.cpu_count() or 1) / config.num_cpus_per_replica))
 
 
+def replica_deployment_options(config: ServeConfig, num_replicas: int | None) -> dict[str, Any]:
+    """Serve deployment options of ``LLMReplica`` (those a Serve config file's ``deployments``
+    entry can override, plus the health-check timings).
+
+    One GPU per replica on CUDA (``ray_actor_options={"num_cpus": ..., "num_gpus": 1}``), so
+    replicas spread one per GPU; on CPU ``num_cpus_per_replica`` cores and no GPU. With
+    ``config.autoscaling`` the deployment gets an ``autoscaling_config`` and no ``num_replicas``
+    (Serve rejects both); otherwise ``num_replicas`` is fixed.
+
+    Raises:
+        ValueError: ``num_replicas`` given together with ``config.autoscaling``.
+    """
+    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
+    if config.engine.device.startswith("cuda"):
+        actor_options["num_gpus"] = 1
+    options: dict[str, Any] = {
+        "name": REPLICA_DEPLOYMENT,
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "ray_actor_options": actor_options,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if config.autoscaling is not None:
+        if num_replicas is not None:
+            raise ValueError("num_replicas cannot be combined with autoscaling")
+        options["autoscaling_config"] = config.autoscaling.serve_options()
+    else:
+        options["num_replicas"] = num_replicas if num_replicas is not None else resolve_replicas(config)
+    return options
+
+
 def build_app(config: ServeConfig, num_replicas: int | None = None):
-    """The Serve application: an ``OpenAIIngress`` bound to ``num_replicas`` ``LLMReplica``\\ s.
+    """The Serve application: an ``OpenAIIngress`` bound to the ``LLMReplica`` deployment.
 
     Args:
         config: serving settings.
-        num_replicas: overrides :func:`resolve_replicas` (which needs Ray for ``auto``).
+        num_replicas: overrides :func:`resolve_replicas` (which needs Ray for ``auto``); must be
+            None when ``config.autoscaling`` is set.
     Returns:
-        a ``ray.serve.Application`` for ``serve.run``.
+        a ``ray.serve.Application`` for ``serve.run``. Its deployments are named ``LLMReplica``
+        and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to.
     """
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -69,21 +117,11 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from router.ingress import OpenAIIngress
     from router.policy import CarpoolRequestRouter
 
-    replicas = num_replicas if num_replicas is not None else resolve_replicas(config)
     engine = config.engine
-    actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
-    if engine.device.startswith("cuda"):
-        actor_options["num_gpus"] = 1
     threads = max(1, math.floor(config.num_cpus_per_replica))
     replica = serve.deployment(
         LLMReplica,
-        name=REPLICA_DEPLOYMENT,
-        num_replicas=replicas,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options=actor_options,
-        health_check_period_s=5.0,
-        health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
+        **replica_deployment_options(config, num_replicas),
         request_router_config=RequestRouterConfig(
             request_router_class=CarpoolRequestRouter,
             request_routing_stats_period_s=config.routing_stats_period_s,
@@ -102,6 +140,25 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     return ingress
 
 
+def app_builder(args: dict[str, Any]):
+    """Serve application builder for config files (``import_path: cluster.app:app_builder``).
+
+    ``args`` are :class:`~cluster.config.ServeConfig` fields (engine settings under ``engine``),
+    validated by pydantic; the app is made by :func:`build_app`, as for ``carpool serve``.
+    ``host``, ``port``, ``address`` and ``app_name`` do not apply here: the config file's
+    ``http_options`` and application ``name`` do. Without ``replicas`` or ``autoscaling`` in
+    ``args`` the code default is one replica, and the config's
+    ``deployments: [{name: LLMReplica, num_replicas | autoscaling_config, ...}]`` sets the count
+    (Serve's own override), so building never needs the cluster's GPUs to be up yet.
+
+    Raises:
+        pydantic.ValidationError: a bad or unknown argument (Serve reports it as a deploy failure).
+    """
+    config = ServeConfig.model_validate(args)
+    sized = "replicas" in config.model_fields_set or config.autoscaling is not None
+    return build_app(config, None if sized else 1)
+
+
 def run(config: ServeConfig) -> str:
     """Start or join Ray, start Serve's HTTP proxy on ``config.host:config.port``, deploy the app
     and wait until every replica has loaded its model. Returns the base URL (``http://host:port/v1``).
@@ -110,9 +167,15 @@ def run(config: ServeConfig) -> str:
 
     start_ray(config)
     serve.start(http_options={"host": config.host, "port": config.port})
-    replicas = resolve_replicas(config)
-    logger.info("deploying %d replica(s) of %s", replicas, config.engine.model)
-    serve.run(build_app(config, replicas), name=config.app_name, route_prefix="/")
+    if config.autoscaling is not None:
+        scaling = config.autoscaling
+        logger.info("deploying %d to %d autoscaled replica(s) of %s", scaling.min_replicas, scaling.max_replicas, config.engine.model)
+        app = build_app(config)
+    else:
+        replicas = resolve_replicas(config)
+        logger.info("deploying %d replica(s) of %s", replicas, config.engine.model)
+        app = build_app(config, replicas)
+    serve.run(app, name=config.app_name, route_prefix="/")
     return base_url(config)
 
 

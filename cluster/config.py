@@ -74,6 +74,42 @@ class EngineConfig(BaseModel):
 
 
 # ---- serving (cluster/app.py, cluster/cli.py) ------------------------------------------------
+class AutoscalingSettings(BaseModel):
+    """Serve autoscaling of the replica deployment, on ongoing requests per replica.
+
+    The fields are those of Ray Serve's ``AutoscalingConfig`` (same names, same meaning); Serve's
+    own validation runs on them too. ``build_app`` passes them as the ``LLMReplica`` deployment's
+    ``autoscaling_config``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 allows scaling to zero).")
+    max_replicas: int = Field(..., ge=1, description="Most replicas (on GPUs: at most the GPUs the cluster can have).")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deployment; default min_replicas.")
+    target_ongoing_requests: float = Field(
+        32,
+        gt=0,
+        description=(
+            "Requests running or waiting per replica that Serve aims for. Around max_num_seqs: "
+            "scale up once the seats are taken and requests start to wait."
+        ),
+    )
+    upscale_delay_s: float | None = Field(None, ge=0, description="Serve's wait before adding replicas (default 30 s).")
+    downscale_delay_s: float | None = Field(None, ge=0, description="Serve's wait before removing replicas (default 600 s).")
+
+    def serve_options(self) -> dict:
+        """The deployment's ``autoscaling_config`` (unset optional fields left to Serve)."""
+        return self.model_dump(exclude_none=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AutoscalingSettings":
+        from ray.serve.config import AutoscalingConfig  # Serve's own checks (min <= initial <= max, ...)
+
+        AutoscalingConfig(**self.serve_options())
+        return self
+
+
 class ServeConfig(BaseModel):
     """``carpool serve``: the engine settings of every replica plus the cluster and HTTP settings.
 
@@ -137,6 +173,13 @@ class ServeConfig(BaseModel):
             "503 meanwhile) before the rest are ended with a 503 error and the server stops."
         ),
     )
+    autoscaling: AutoscalingSettings | None = Field(
+        None,
+        description=(
+            "Autoscale the replicas between min_replicas and max_replicas on ongoing requests per "
+            "replica (Serve's autoscaler) instead of a fixed count; replicas must then stay 'auto'."
+        ),
+    )
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -146,6 +189,16 @@ class ServeConfig(BaseModel):
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ValueError(f"must be a positive integer or 'auto', got {value!r}")
+
+    @model_validator(mode="after")
+    def _check_scaling(self) -> "ServeConfig":
+        # Serve rejects a deployment with both num_replicas and autoscaling_config.
+        if self.autoscaling is not None and self.replicas != "auto":
+            raise ValueError(
+                f"replicas={self.replicas} and autoscaling are both set: give a fixed replica count "
+                "or autoscaling bounds, not both"
+            )
+        return self
 
     @property
     def model_name(self) -> str:

@@ -469,10 +469,11 @@ class OpenAIIngress:
             context = serve.get_replica_context()
             deployment = status.applications[context.app_name].deployments["LLMReplica"]
             running = deployment.replica_states.get("RUNNING", 0)
-            healthy = str(deployment.status).endswith("HEALTHY") and not str(deployment.status).endswith("UNHEALTHY")
-            self._ready_once = self._ready_once or (healthy and running > 0)
+            # UPSCALING/DOWNSCALING: an autoscaled deployment whose running replicas serve.
+            serving = str(deployment.status).rsplit(".", 1)[-1] in ("HEALTHY", "UPSCALING", "DOWNSCALING")
+            self._ready_once = self._ready_once or (serving and running > 0)
             # After start-up, one running replica is enough to serve while Serve replaces others.
-            ok = running > 0 and (healthy or self._ready_once)
+            ok = running > 0 and (serving or self._ready_once)
             detail = f"replicas: {deployment.status} ({running} running)"
         except Exception as exc:
             ok, detail = False, f"status unavailable: {exc!r}"

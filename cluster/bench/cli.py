@@ -36,13 +36,16 @@ def offline(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats: requests in one batch (static batch size)."),
     max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
+    kv_cache_memory: Optional[int] = typer.Option(
+        None, min=1, help="Bytes for the KV cache (default: 1 GiB on CPU; on CUDA most of the free memory, which leaves none for --compare transformers)."
+    ),
     num_requests: int = typer.Option(100, min=1, help="seed-mix and sweep: number of requests."),
     short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
     long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
     mean_tokens: float = typer.Option(64.0, min=1.0, help="sweep: mean of the exponential output length."),
     caps: str = typer.Option("32,128,512", help="sweep: comma-separated caps on the output length."),
     seed: int = typer.Option(0, help="sweep: seed of the length draw."),
-    compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available); ratios to Carpool."),
+    compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available) or 'transformers-static' (generate only); ratios to Carpool."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNGs PATH-occupancy.png and PATH-latency.png (sweep: PATH-sweep.png)."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
@@ -59,7 +62,7 @@ def offline(
     try:
         offline_main(
             workload, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, num_requests=num_requests, short=short, long=long,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory, num_requests=num_requests, short=short, long=long,
             mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
         )

@@ -33,7 +33,9 @@ from cluster.bench import workloads as wl
 from cluster.bench.runner import RunResult, run_policy, warm_up
 
 POLICIES = ("continuous", "static")
-COMPARE_CHOICES = ("transformers",)
+# "transformers": its static generate and its continuous batching; "transformers-static": only the
+# former (transformers' continuous batching ran at about 50 tok/s on an H200, too slow to wait for).
+COMPARE_CHOICES = ("transformers", "transformers-static")
 
 
 def offline_main(
@@ -69,7 +71,8 @@ def offline_main(
         num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's size).
         mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed.
         compare: ``["transformers"]`` adds transformers' static ``generate`` and its continuous
-            batching (when the installed version has it), each reported as a ratio to Carpool.
+            batching (when the installed version has it), each reported as a ratio to Carpool;
+            ``["transformers-static"]`` adds the former only.
         json_path: write the summary here.
         plot_path: write ``PATH-occupancy.png`` and ``PATH-latency.png`` (sweep: ``PATH-sweep.png``;
             see ``plots.plot_path``).
@@ -112,7 +115,7 @@ def offline_main(
         engine_kwargs["kv_cache_memory"] = kv_cache_memory
     llm = LLM(**engine_kwargs)
     hf_model = None
-    if "transformers" in compare:
+    if {"transformers", "transformers-static"} & set(compare):
         from cluster.bench.baselines import load_transformers_model
 
         hf_model = load_transformers_model(llm)
@@ -126,7 +129,7 @@ def offline_main(
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
     }
-    run = dict(llm=llm, hf_model=hf_model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, progress=progress)
+    run = dict(llm=llm, hf_model=hf_model, hf_continuous="transformers" in compare, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, progress=progress)
     if workload == "sweep":
         points = []
         for cap in caps:
@@ -183,7 +186,7 @@ def offline_main(
     return summary
 
 
-def _run_all(requests, *, llm, hf_model, max_num_seqs, max_num_batched_tokens, progress) -> list[RunResult]:
+def _run_all(requests, *, llm, hf_model, hf_continuous, max_num_seqs, max_num_batched_tokens, progress) -> list[RunResult]:
     """Both Carpool policies, then the transformers baselines if a model was loaded for them."""
     warm_up(llm, requests[0].prompt_token_ids, max_num_seqs)
     results = [run_policy(llm, requests, policy, progress=progress) for policy in POLICIES]
@@ -191,7 +194,7 @@ def _run_all(requests, *, llm, hf_model, max_num_seqs, max_num_batched_tokens, p
         from cluster.bench import baselines
 
         results.append(baselines.run_transformers_static(hf_model, llm.tokenizer, requests, max_num_seqs, progress=progress))
-        if baselines.has_transformers_continuous_batching(hf_model):
+        if hf_continuous and baselines.has_transformers_continuous_batching(hf_model):
             results.append(
                 baselines.run_transformers_continuous(
                     hf_model, llm.tokenizer, requests, max_num_seqs, max_num_batched_tokens, progress=progress

@@ -21,7 +21,7 @@ from replica import LLM, SamplingParams
 from replica.async_engine import AsyncLLMEngine
 from replica.engine import LLMEngine
 from replica.request import FinishReason
-from tests.helpers import assert_idle
+from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 # A hung engine loop fails fast instead of at the global 600 s timeout.
 pytestmark = pytest.mark.timeout(120)
@@ -42,7 +42,7 @@ def greedy(**kw) -> SamplingParams:
 def llm(tiny_llama) -> LLM:
     """One small engine for the module: 4 seats, 32 blocks of 16, max_model_len 128."""
     return LLM(
-        model=tiny_llama, dtype="float32", max_num_seqs=4, block_size=16, num_blocks=32, max_model_len=MAX_MODEL_LEN
+        model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, block_size=16, num_blocks=32, max_model_len=MAX_MODEL_LEN
     )
 
 
@@ -66,7 +66,7 @@ def base(llm):
 @pytest.fixture(scope="module")
 def async_engine(tiny_llama):
     """A separate engine on the loop thread, with room for long generations (max_model_len 1024)."""
-    engine = LLMEngine(model=tiny_llama, dtype="float32", max_num_seqs=4, block_size=16, num_blocks=64)
+    engine = LLMEngine(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, block_size=16, num_blocks=64)
     aengine = AsyncLLMEngine(engine=engine)
     yield aengine
     aengine.shutdown()
@@ -199,7 +199,7 @@ def test_ignore_eos_runs_past_eos_to_max_tokens(llm, tiny_llama, base, tmp_path)
     config = json.loads(config_path.read_text())
     config["eos_token_id"] = [2, eos]
     config_path.write_text(json.dumps(config))
-    eos_llm = LLM(model=str(folder), dtype="float32", max_num_seqs=2, num_blocks=8, max_model_len=MAX_MODEL_LEN)
+    eos_llm = LLM(model=str(folder), dtype="float32", **ON_TEST_DEVICE, max_num_seqs=2, num_blocks=8, max_model_len=MAX_MODEL_LEN)
     assert eos in eos_llm.engine.eos_token_ids
 
     [out] = eos_llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy(max_tokens=20))

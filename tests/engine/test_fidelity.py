@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from tests.helpers import assert_idle
+from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
 NUM_PROMPTS = 16
 
@@ -38,12 +38,12 @@ def reference_tokens(path: str, workload) -> list[list[int]]:
     if key not in _reference_cache:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(TEST_DEVICE)
         outs = []
         for ids, max_tokens in workload:
             generated = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=TEST_DEVICE),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=TEST_DEVICE),
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 pad_token_id=2,
@@ -93,7 +93,7 @@ def run_engine(llm: LLM, workload, plan) -> tuple[list[list[int]], list[str]]:
 def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy, scenario):
     path = tiny_model_factory(family)
     kwargs, plan = SCENARIOS[scenario]
-    llm = LLM(model=path, dtype="float32", scheduling_policy=policy, **kwargs)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, scheduling_policy=policy, **kwargs)
     expected = reference_tokens(path, WORKLOAD)
     got, reasons = run_engine(llm, WORKLOAD, plan)
     for i, (g, e) in enumerate(zip(got, expected)):
@@ -110,7 +110,7 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
 def test_third_family_qwen3(tiny_model_factory):
     """Qwen3 (per-head q/k RMSNorm) through the same attention hook."""
     path = tiny_model_factory("qwen3")
-    llm = LLM(model=path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=32)
     expected = reference_tokens(path, WORKLOAD)
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == expected
@@ -119,7 +119,7 @@ def test_third_family_qwen3(tiny_model_factory):
 
 def test_batch_invariance(tiny_llama):
     """A request's greedy tokens are the same alone and in a batch of 16."""
-    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=16)
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ids = [[random.Random(i).randrange(3, 49152) for _ in range(5 + 3 * i)] for i in range(16)]
     together = llm.generate(prompt_token_ids=ids, sampling_params=params)
@@ -131,7 +131,7 @@ def test_batch_invariance(tiny_llama):
 
 def test_seeded_sampling_independent_of_batch_mates(tiny_llama):
     """Same seed + prompt → same samples, whatever else is in the batch; other seeds differ."""
-    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=16)
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16)
     prompt = [101, 2020, 3030, 4040]
     seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
     [alone] = llm.generate(prompt_token_ids=[prompt], sampling_params=seeded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from replica.engine import LLMEngine
 from replica.metrics import EngineMetrics
 from replica.request import SamplingParams
-from tests.helpers import assert_idle
+from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 LABELS = {"model_name": "tiny", "replica": "r0"}
 
@@ -18,7 +18,7 @@ def value(metrics: EngineMetrics, name: str, **extra) -> float:
 
 def make_engine(path, **kwargs):
     metrics = EngineMetrics("tiny", "r0")
-    engine = LLMEngine(model=path, dtype="float32", metrics=metrics, **kwargs)
+    engine = LLMEngine(model=path, dtype="float32", **ON_TEST_DEVICE, metrics=metrics, **kwargs)
     return engine, metrics
 
 

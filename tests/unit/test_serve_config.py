@@ -50,3 +50,90 @@ def test_bad_file(tmp_path):
         build_config(tmp_path / "list.yaml", {}, {})
     with pytest.raises(ValueError, match="cannot read"):
         build_config(tmp_path / "absent.json", {}, {})
+
+
+# ---- replica placement and scaling (cluster/app.py), through the options build_app gives Serve --
+def _replica_deployment(app):
+    """The LLMReplica deployment inside the application build_app returns (ingress → replica)."""
+    return app._bound_deployment.init_args[0]._bound_deployment
+
+
+def test_auto_replicas_one_per_core_without_gpus_and_one_per_gpu_on_cuda():
+    from cluster.app import replicas_for_resources
+
+    cpu = ServeConfig()
+    assert cpu.replicas == "auto"
+    assert replicas_for_resources(cpu, {"CPU": 8.0, "memory": 1e10}) == 8
+    assert replicas_for_resources(cpu, {"CPU": 1.5}) == 1
+    assert replicas_for_resources(ServeConfig(num_cpus_per_replica=2), {"CPU": 8.0}) == 4
+    assert replicas_for_resources(ServeConfig(replicas=3), {"CPU": 8.0}) == 3
+    cuda = ServeConfig(engine={"device": "cuda"})
+    assert replicas_for_resources(cuda, {"CPU": 64.0, "GPU": 4.0}) == 4
+    with pytest.raises(ValueError, match="no GPU"):
+        replicas_for_resources(cuda, {"CPU": 64.0})
+
+
+def test_build_app_asks_one_gpu_per_replica_on_cuda():
+    from cluster.app import build_app
+
+    replica = _replica_deployment(build_app(ServeConfig(engine={"device": "cuda", "dtype": "bfloat16"}), 4))
+    assert replica.name == "LLMReplica"
+    assert replica.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 1}
+    assert replica.num_replicas == 4
+    assert replica.max_ongoing_requests == 1024
+    assert replica._deployment_config.autoscaling_config is None
+
+    on_cpu = _replica_deployment(build_app(ServeConfig(num_cpus_per_replica=2), 2))
+    assert on_cpu.ray_actor_options == {"num_cpus": 2.0}  # no GPU asked for
+    assert on_cpu.init_args[1] == 2  # torch threads = reserved cores
+
+
+def test_autoscaling_becomes_the_replica_autoscaling_config():
+    from cluster.app import build_app, replica_deployment_options
+
+    config = ServeConfig(
+        engine={"device": "cuda"},
+        autoscaling={"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 24, "upscale_delay_s": 5},
+    )
+    options = replica_deployment_options(config, None)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 24, "upscale_delay_s": 5,
+    }
+    scaling = _replica_deployment(build_app(config))._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests, scaling.upscale_delay_s) == (1, 8, 24, 5)
+    with pytest.raises(ValueError, match="autoscaling"):
+        replica_deployment_options(config, 2)
+
+
+def test_autoscaling_settings_are_validated():
+    with pytest.raises(ValidationError, match="not both"):
+        ServeConfig(replicas=2, autoscaling={"max_replicas": 4})
+    with pytest.raises(ValidationError, match="min_replicas"):  # Serve's own check
+        ServeConfig(autoscaling={"min_replicas": 5, "max_replicas": 4})
+    with pytest.raises(ValidationError) as info:
+        ServeConfig(autoscaling={"max_replicas": 4, "target_requests": 3})
+    assert "  autoscaling.target_requests: " in format_validation_error(info.value)
+    # The ingress receives the config as a dict and validates it again.
+    config = ServeConfig(autoscaling={"max_replicas": 4})
+    assert ServeConfig(**config.model_dump()) == config
+
+
+def test_app_builder_takes_serve_config_fields(tmp_path):
+    from cluster.app import app_builder
+
+    # Without replicas or autoscaling in args, the code default is one replica (the Serve config's
+    # deployments entry sets the count); nothing needs a Ray cluster here.
+    replica = _replica_deployment(app_builder({"engine": {"device": "cuda", "max_num_seqs": 8}}))
+    assert replica.num_replicas == 1 and replica.ray_actor_options["num_gpus"] == 1
+    assert replica.init_args[0]["max_num_seqs"] == 8
+    replica = _replica_deployment(app_builder({"replicas": 3}))
+    assert replica.num_replicas == 3
+    replica = _replica_deployment(app_builder({"autoscaling": {"min_replicas": 2, "max_replicas": 3}}))
+    assert replica._deployment_config.autoscaling_config.min_replicas == 2
+    with pytest.raises(ValidationError):
+        app_builder({"engine": {"seats": 4}})
+    # carpool serve --config reads the same field.
+    path = tmp_path / "c.yaml"
+    path.write_text("autoscaling:\n  min_replicas: 1\n  max_replicas: 2\n")
+    assert build_config(path, {}, {}).autoscaling.max_replicas == 2

@@ -1,0 +1,110 @@
+"""``deploy/serve_config.yaml`` deployed for real, through Serve's config API, on the session's cluster.
+
+The config goes through ``ServeDeploySchema`` to the controller's ``apply_config`` (what
+``serve run deploy/serve_config.yaml`` does; ``serve deploy`` reaches the same controller method
+through the dashboard), so Serve imports ``cluster.app:app_builder``, builds the app from ``args``
+and applies the ``deployments`` overrides. The overrides for this 2-CPU test cluster, and nothing
+else, are :func:`cpu_overrides`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.conftest import Served
+
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+APP = "e2e-serve-config"
+DEPLOY_TIMEOUT_S = 180
+
+
+def cpu_overrides(config: dict) -> dict:
+    """The shipped config with the documented test overrides: app name (unique in the session),
+    CPU device, small seats and KV pool, and no GPU in the replica's actor options."""
+    config = copy.deepcopy(config)
+    (app,) = config["applications"]
+    app["name"] = APP
+    app["args"]["engine"].update(device="cpu", max_num_seqs=4, num_blocks=64, max_model_len=512)
+    (replica,) = [d for d in app["deployments"] if d["name"] == "LLMReplica"]
+    replica["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 0}
+    return config
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict:
+    return yaml.safe_load(SERVE_CONFIG.read_text())
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, shipped):
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.config import ServeConfig
+
+    config = cpu_overrides(shipped)
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    try:
+        deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+        while True:
+            status = serve.status().applications.get(APP)
+            if status is not None and status.status == "RUNNING":
+                break
+            assert status is None or status.status != "DEPLOY_FAILED", status.message
+            assert time.monotonic() < deadline, f"{APP} not running after {DEPLOY_TIMEOUT_S}s: {status}"
+            time.sleep(0.5)
+        yield Served(APP, ray_cluster, ServeConfig.model_validate(config["applications"][0]["args"]))
+    finally:
+        serve.delete(APP)
+
+
+def test_config_deployed_app_answers_a_chat_request(served):
+    reply = served.client.chat.completions.create(
+        model=served.model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    answer = reply.choices[0].message.content
+    print(f"\nconfig-deployed app answered: {answer!r}")
+    assert "Paris" in answer
+    assert reply.model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert httpx.get(served.root_url + "/health", timeout=10).status_code == 200
+
+
+def test_config_overrides_reach_the_deployments(served, shipped):
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()["applications"][APP]
+    assert details["deployed_app_config"]["import_path"] == "cluster.app:app_builder"
+    replica = details["deployments"]["LLMReplica"]
+    config = replica["deployment_config"]
+    assert config["ray_actor_options"]["num_cpus"] == 1 and config["ray_actor_options"]["num_gpus"] == 0
+    expected = [d for d in shipped["applications"][0]["deployments"] if d["name"] == "LLMReplica"][0]
+    assert config["max_ongoing_requests"] == expected["max_ongoing_requests"]
+    scaling = config["autoscaling_config"]
+    for key, value in expected["autoscaling_config"].items():
+        assert scaling[key] == value, key
+    # Autoscaled from initial_replicas; with no load it stays there.
+    running = [r for r in replica["replicas"] if r["state"] == "RUNNING"]
+    assert len(running) == expected["autoscaling_config"]["initial_replicas"]
+    assert details["deployments"]["OpenAIIngress"]["status"] == "HEALTHY"
+
+
+def test_auto_replicas_is_one_per_core_on_a_cluster_without_gpus(ray_cluster):
+    import ray
+
+    from cluster.app import resolve_replicas
+    from cluster.config import ServeConfig
+
+    resources = ray.cluster_resources()
+    assert resources.get("GPU", 0) == 0
+    assert resolve_replicas(ServeConfig()) == int(resources["CPU"]) == 2
+    assert resolve_replicas(ServeConfig(num_cpus_per_replica=2)) == 1
