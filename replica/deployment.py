@@ -148,6 +148,7 @@ class LLMReplica:
             "inflight": self._inflight,
             "num_requests": self._num_requests,
             "pid": os.getpid(),
+            "healthy": self.engine.is_alive and self.engine.stalled_for() <= self.config.stall_timeout_s,
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -157,7 +158,8 @@ class LLMReplica:
         ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``kv_cache_usage`` (0-1),
         ``num_preemptions``, ``num_steps``, ``inflight`` (requests this replica is streaming),
         ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
-        ``pid`` (the replica's process id).
+        ``pid`` (the replica's process id), ``healthy`` (False when the engine loop is dead or
+        wedged: the router then sends requests elsewhere until Serve replaces this replica).
         """
         return self._stats_dict()
 

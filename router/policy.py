@@ -48,6 +48,9 @@ def replica_key(
 ) -> tuple[int, int, int, int]:
     """Sort key ``(tier, waiting, -free_blocks, load)`` of one replica; smaller is better.
 
+    Tiers: 0 a free seat, 1 a free seat but few free KV blocks, 2 no free seat, 3 a replica that
+    reports itself unhealthy (``healthy: False``: its engine loop is dead or wedged).
+
     Args:
         stats: the replica's last ``routing_stats`` (empty before the first poll).
         live_load: requests in flight to it as this router knows them, or None if unknown.
@@ -59,6 +62,8 @@ def replica_key(
     slots = int(stats.get("num_slots") or 0)
     total_blocks = int(stats.get("num_total_blocks") or 0)
     free_blocks = int(stats.get("num_free_blocks", total_blocks))
+    if stats.get("healthy") is False:  # engine loop dead or wedged: last, until Serve replaces it
+        return (3, 0, 0, load)
     if slots == 0:  # no stats yet: only the live load tells replicas apart
         return (0, 0, 0, load)
     if load < slots:

@@ -206,6 +206,7 @@ def test_a_lost_engine_state_kills_the_loop_and_fails_the_health_check(tiny_llam
         assert not aengine.is_alive
         with pytest.raises(RuntimeError, match="not running"):
             run(replica.check_health())
+        assert run(replica.record_routing_stats())["healthy"] is False  # the router avoids it
         with pytest.raises(EngineDeadError):  # new requests are refused at once
             run(collect(aengine, "y", PROMPTS[0]))
     finally:
@@ -228,8 +229,10 @@ def test_a_wedged_loop_fails_the_health_check_until_it_moves_again(tiny_llama, r
                 await asyncio.sleep(0.05)
             with pytest.raises(RuntimeError, match="wedged"):
                 await replica.check_health()
+            assert (await replica.record_routing_stats())["healthy"] is False
             deltas = await task  # the loop moves again and the request finishes
             await replica.check_health()
+            assert (await replica.record_routing_stats())["healthy"] is True
             return deltas, time.monotonic() - started
 
         deltas, elapsed = run(scenario())

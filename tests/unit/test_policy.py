@@ -65,3 +65,12 @@ def test_ties_are_broken_at_random():
     keyed = [(replica_key(stats(), 0), r) for r in "ab"]
     firsts = Counter(rank_replicas(keyed)[0][0] for _ in range(400))
     assert 120 < firsts["a"] < 280, firsts
+
+
+def test_an_unhealthy_replica_ranks_after_a_full_one():
+    dead = {**stats(), "healthy": False}
+    keyed = [(replica_key(dead, 0), "dead"), (replica_key(stats(), 30), "full, 22 waiting")]
+    assert replica_key(dead, 0)[0] == 3 and replica_key({**stats(), "healthy": True}, 0)[0] == 0
+    for _ in range(50):
+        assert rank_replicas(keyed)[0] == ["full, 22 waiting"]
+    assert rank_replicas([(replica_key(dead, 0), "dead")]) == [["dead"]]  # still chosen if it is the only one
