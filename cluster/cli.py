@@ -130,12 +130,25 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
+    max_waiting_requests: Optional[int] = typer.Option(None, help="Requests a replica holds beyond its seats; past it: 429 with Retry-After (default: 256)."),
+    max_ongoing_requests: Optional[int] = typer.Option(None, help="Serve's cap of requests in flight to one replica (default: seats + max waiting + 64)."),
+    max_n: Optional[int] = typer.Option(None, help="Largest n (choices per request) (default: 16)."),
+    max_logprobs: Optional[int] = typer.Option(None, help="Largest logprobs / top_logprobs, at most 20 (default: 20)."),
+    max_stop_sequences: Optional[int] = typer.Option(None, help="Stop strings per request (default: 16)."),
+    max_stop_sequence_length: Optional[int] = typer.Option(None, help="Characters per stop string (default: 256)."),
+    max_prompts_per_request: Optional[int] = typer.Option(None, help="Prompts in one /v1/completions request (default: 64)."),
+    max_choices_per_request: Optional[int] = typer.Option(None, help="Prompts x n of one request (default: 128)."),
+    max_request_body_bytes: Optional[str] = typer.Option(None, help="Largest request body, bytes or with a unit (1MiB); larger: 413 (default: 8MiB)."),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
     try:
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
     except ValueError as exc:
         _fail(f"engine.kv_cache_memory: {exc}")
+    try:
+        body_bytes = parse_bytes(max_request_body_bytes) if max_request_body_bytes is not None else None
+    except ValueError as exc:
+        _fail(f"max_request_body_bytes: {exc}")
     engine_overrides = {
         "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
@@ -144,6 +157,10 @@ def serve(
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
         "api_key": api_key, "address": address, "include_dashboard": dashboard,
+        "max_waiting_requests": max_waiting_requests, "max_ongoing_requests": max_ongoing_requests,
+        "max_n": max_n, "max_logprobs": max_logprobs, "max_stop_sequences": max_stop_sequences,
+        "max_stop_sequence_length": max_stop_sequence_length, "max_prompts_per_request": max_prompts_per_request,
+        "max_choices_per_request": max_choices_per_request, "max_request_body_bytes": body_bytes,
     }
     try:
         cfg = build_config(config, overrides, engine_overrides)
