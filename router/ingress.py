@@ -51,9 +51,7 @@ app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray
 
 
 class _Guard:
-    """What the request guard and the error handlers of this process need: set by
-    :class:`OpenAIIngress` when it starts (Serve runs a frozen copy of ``app``, so this lives in
-    the module, not in ``app.state``)."""
+    """What the request guard and the error handlers of this process need (see :func:`configure`)."""
 
     api_key: str | None = None
     max_request_body_bytes: int | None = None
@@ -61,6 +59,19 @@ class _Guard:
 
 
 _guard = _Guard()
+
+
+def configure(api_key: str | None, max_request_body_bytes: int | None, metrics) -> None:
+    """Set this process's API key, body cap and ingress metrics (``OpenAIIngress`` calls it).
+
+    Serve runs a pickled copy of ``app``, and the ingress class is pickled by value (the module's
+    name ``OpenAIIngress`` is Serve's wrapper), so neither ``app.state`` nor a global read in
+    ``OpenAIIngress.__init__`` is what the middleware sees; this function, pickled by reference,
+    sets the module's own ``_guard``.
+    """
+    _guard.api_key = api_key
+    _guard.max_request_body_bytes = max_request_body_bytes
+    _guard.metrics = metrics
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -85,9 +96,10 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     content_type = request.headers.get("content-type")
-    if content_type and not _is_json(content_type):
-        # FastAPI hands a non-JSON body to the model as bytes, which then fails validation.
-        message = f"Content-Type must be application/json, got {content_type!r}"
+    if request.method == "POST" and not (content_type and _is_json(content_type)):
+        # FastAPI hands a body without a JSON Content-Type to the model as bytes, which fails.
+        got = repr(content_type) if content_type else "none"
+        message = f"Content-Type must be application/json, got {got}"
         return _error_response(OpenAIError(message, 415, code="unsupported_media_type"))
     return _error_response(validation_error(exc.errors()))
 
@@ -306,9 +318,8 @@ class OpenAIIngress:
         from replica.deployment import _replica_id
         from replica.metrics import IngressMetrics
 
-        _guard.api_key = self.config.api_key
-        _guard.max_request_body_bytes = self.config.max_request_body_bytes
-        _guard.metrics = self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
+        self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
+        configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self._health_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
 
     # ---- endpoints ---------------------------------------------------------------------------
