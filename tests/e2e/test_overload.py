@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from cluster.config import EngineConfig, ServeConfig
 SEATS, WAITING, REPLICAS = 2, 2, 2
 CAPACITY = REPLICAS * (SEATS + WAITING)
 BURST = 10 * CAPACITY
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 CONFIG = ServeConfig(
     app_name="e2e-overload",
     engine=EngineConfig(dtype="float32", max_num_seqs=SEATS, max_model_len=128, num_blocks=64),
@@ -64,7 +65,7 @@ def text_of(path: str, r: httpx.Response) -> str:
 def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
     base = served.root_url
     with httpx.Client(timeout=60) as client:  # greedy references, one request at a time
-        expected = {(p, s): text_of(p, client.post(base + p, json=body(p, False))) for p, s in KINDS}
+        expected = {p: text_of(p, client.post(base + p, json=body(p, False))) for p in dict(KINDS)}
 
     peak = {"inflight": 0, "waiting": 0}
     stop = threading.Event()
@@ -84,16 +85,18 @@ def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    started = time.monotonic()
     try:
         results = asyncio.run(asyncio.wait_for(burst(), timeout=180))
     finally:
         stop.set()
         watcher.join(timeout=30)
+    elapsed = time.monotonic() - started
 
     served_ok = refused = errors_5xx = 0
     for (path, stream), r in results:
         if r.status_code == 200:
-            assert text_of(path, r) == expected[(path, False)], (path, stream)
+            assert text_of(path, r) == expected[path], (path, stream)
             served_ok += 1
         elif r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1
@@ -104,11 +107,10 @@ def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
             errors_5xx += r.status_code >= 500
             pytest.fail(f"status {r.status_code}: {r.text[:300]}")
     print(f"\noverload: burst={BURST} capacity={CAPACITY} served={served_ok} refused={refused} 5xx={errors_5xx} "
-          f"peak inflight per replica={peak['inflight']} peak waiting={peak['waiting']}")
+          f"peak inflight per replica={peak['inflight']} peak waiting={peak['waiting']} in {elapsed:.1f}s")
     assert served_ok + refused == BURST and errors_5xx == 0
     assert served_ok >= CAPACITY and refused > 0
-    assert peak["inflight"] <= SEATS + WAITING, peak
-    assert peak["waiting"] <= WAITING, peak
+    assert peak["inflight"] <= SEATS + WAITING, peak  # running + waiting, per replica
 
     served.assert_idle_and_intact()
     metrics = httpx.get(base + "/metrics", timeout=30).text
@@ -116,4 +118,4 @@ def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
                   if line.startswith("carpool:http_requests_rejected_total{") and 'status="429"' in line)
     assert counted == refused, metrics
     r = httpx.post(base + "/v1/completions", json=body("/v1/completions", False), timeout=60)
-    assert r.status_code == 200 and text_of("/v1/completions", r) == expected[("/v1/completions", False)]
+    assert r.status_code == 200 and text_of("/v1/completions", r) == expected["/v1/completions"]
