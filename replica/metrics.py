@@ -140,6 +140,13 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+# (status, code) series of carpool:http_requests_rejected_total that exist before the first refusal
+INGRESS_REFUSALS = (
+    (400, "invalid_value"), (401, "invalid_api_key"), (413, "request_too_large"),
+    (415, "unsupported_media_type"), (429, "overloaded"), (503, "unavailable"),
+)
+
+
 class IngressMetrics:
     """The HTTP ingress's own series (the ingress's ``/metrics`` adds them to the replicas').
 
@@ -162,6 +169,8 @@ class IngressMetrics:
             [*self.labels, "status", "code"],
             registry=self.registry,
         )
+        for status, code in INGRESS_REFUSALS:  # present (at 0) from the start, so rate() has data
+            self.http_requests_rejected.labels(**self.labels, status=str(status), code=code)
 
     def on_rejected(self, status: int, code: str | None) -> None:
         """One request answered with ``status`` (OpenAI error ``code``, ``none`` if it has none)."""
