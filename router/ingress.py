@@ -8,8 +8,12 @@ seeded request using ``seed + i``. Replica outputs arrive through a ``Deployment
 ``stream=True`` and leave as one JSON body or as server-sent events ending in ``data: [DONE]``.
 
 Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-body or parameter (the message names the field), 401 for a missing or wrong API key, 404 for an
-unknown model or path, 503 when no replica can serve. A client's mistake never yields a 500.
+body or parameter, or one past a configured cap (the message names the field), 401 for a missing
+or wrong API key, 404 for an unknown model or path, 413 for a body over ``max_request_body_bytes``,
+415 for a non-JSON ``Content-Type``, 429 (with ``Retry-After``) when the chosen replica is full,
+503 when no replica can serve. A client's mistake never yields a 500. The API key and the body
+size are checked by :class:`RequestGuard` before routing; every error response is counted in
+``carpool:http_requests_rejected_total``.
 
 When the HTTP client goes away mid-stream, Serve cancels this handler; the ``finally`` blocks
 cancel every replica stream of the request, and each replica aborts its engine request.
