@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import EngineConfig, ServeConfig
@@ -36,7 +36,7 @@ CONFIG = ServeConfig(
     max_request_body_bytes=BODY_CAP,
 )
 CHAT = [{"role": "user", "content": "Say hi."}]
-FUZZ_EXAMPLES = 150
+FUZZ_EXAMPLES = 100
 
 
 @pytest.fixture(scope="module")
@@ -256,64 +256,92 @@ json_leaf = st.one_of(
 junk = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 
 
-def field(valid):
-    """Mostly a plausible value, sometimes anything at all."""
-    return st.one_of(valid, valid, junk)
+def bodies(mode: str):
+    """Request bodies for both endpoints. ``mode``: ``valid`` (in range, so mostly served),
+    ``plausible`` (the right types, often out of range) or ``wild`` (sometimes any JSON at all in a
+    field's place)."""
+
+    def field(valid, plausible=None):
+        if mode == "valid":
+            return valid
+        plausible = valid if plausible is None else plausible
+        return st.one_of(plausible, plausible, junk) if mode == "wild" else plausible
+
+    tokens = st.integers(1, 3)
+    if mode != "valid":
+        tokens = st.one_of(tokens, tokens, st.integers(max_value=0), st.integers(min_value=129))
+    if mode == "wild":
+        tokens = st.one_of(tokens, st.text(max_size=3), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2))
+    text = st.text(min_size=1, max_size=40)
+    vocab_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
+    common = {
+        "model": field(st.just(CONFIG.model_name), st.sampled_from([CONFIG.model_name, CONFIG.model_name, "gpt-4", ""])),
+        "n": field(st.integers(1, 3), st.integers(-1, 5)),
+        "stream": field(st.booleans()),
+        "temperature": field(st.floats(0, 2), st.floats(-1, 3)),
+        "top_p": field(st.floats(0.01, 1), st.floats(-0.5, 1.5)),
+        "top_k": field(st.integers(-1, 100), st.integers(-3, 60000)),
+        "min_p": field(st.floats(0, 1), st.floats(-1, 2)),
+        "presence_penalty": field(st.floats(-2, 2), st.floats(-3, 3)),
+        "frequency_penalty": field(st.floats(-2, 2), st.floats(-3, 3)),
+        "repetition_penalty": field(st.floats(0.5, 2), st.floats(-1, 3)),
+        "seed": field(st.integers(0, 2**63 - 1), st.integers(-(2**65), 2**65)),
+        "stop": field(st.one_of(st.text(min_size=1, max_size=20), st.lists(st.text(min_size=1, max_size=20), max_size=4)),
+                      st.one_of(st.text(max_size=25), st.lists(st.text(max_size=25), max_size=6))),
+        "stop_token_ids": field(st.lists(st.integers(0, 49151), max_size=4), st.lists(st.integers(-5, 60000), max_size=4)),
+        "min_tokens": field(st.integers(0, 3), st.integers(-2, 5)),
+        "ignore_eos": field(st.booleans()),
+        "skip_special_tokens": field(st.booleans()),
+        "include_stop_str_in_output": field(st.booleans()),
+        "user": field(st.text(max_size=10)),
+    }
+    if mode != "valid":
+        common["stream_options"] = field(st.fixed_dictionaries({"include_usage": field(st.booleans())}))
+        common["logit_bias"] = field(st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=2))
+    completion_extra = {"echo": field(st.booleans()), "logprobs": field(st.integers(0, 5), st.integers(-1, 25))}
+    if mode != "valid":
+        completion_extra |= {"suffix": field(st.text(max_size=3)), "best_of": field(st.integers(-1, 4))}
+    completion = st.fixed_dictionaries(
+        {"prompt": field(st.one_of(text, st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=2), vocab_ids),
+                         st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=5),
+                                   st.lists(st.integers(-3, 60000), max_size=6),
+                                   st.lists(st.lists(st.integers(-3, 60000), max_size=6), max_size=3))),
+         "max_tokens": tokens},
+        optional={**common, **completion_extra},
+    )
+    role = st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", ""])
+    message = st.fixed_dictionaries(
+        {"role": st.just("user") if mode == "valid" else role},
+        optional={"content": field(text, st.one_of(st.text(max_size=40), st.none(), st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "text", "image_url"]), "text": field(st.text(max_size=10))}), max_size=2))),
+            "name": field(st.text(min_size=1, max_size=5, alphabet="abc"), st.text(max_size=5))},
+    )
+    chat_extra = {"max_completion_tokens": tokens, "add_generation_prompt": field(st.booleans())}
+    if mode != "valid":
+        chat_extra |= {
+            "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(-1, 25)),
+            "continue_final_message": field(st.booleans()),
+            "chat_template_kwargs": field(st.dictionaries(st.text(max_size=5), json_leaf, max_size=2)),
+            "tools": field(st.lists(junk, max_size=1)),
+            "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "json_object"])})),
+        }
+    chat = st.fixed_dictionaries(
+        {"messages": field(st.lists(message, min_size=1, max_size=3), st.lists(message, max_size=3)), "max_tokens": tokens},
+        optional={**common, **chat_extra},
+    )
+    return completion, chat
 
 
-SMALL_TOKENS = st.one_of(st.integers(1, 3), st.integers(1, 3), st.integers(max_value=0), st.integers(min_value=129),
-                         st.text(max_size=3), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2))
-COMMON = {
-    "model": field(st.sampled_from([CONFIG.model_name, "gpt-4", ""])),
-    "n": field(st.integers(-1, 5)),
-    "stream": field(st.booleans()),
-    "stream_options": field(st.fixed_dictionaries({"include_usage": field(st.booleans())})),
-    "temperature": field(st.floats(-1, 3)),
-    "top_p": field(st.floats(-0.5, 1.5)),
-    "top_k": field(st.integers(-3, 60000)),
-    "min_p": field(st.floats(-1, 2)),
-    "presence_penalty": field(st.floats(-3, 3)),
-    "frequency_penalty": field(st.floats(-3, 3)),
-    "repetition_penalty": field(st.floats(-1, 3)),
-    "seed": field(st.integers(-(2**65), 2**65)),
-    "stop": field(st.one_of(st.text(max_size=25), st.lists(st.text(max_size=25), max_size=6))),
-    "stop_token_ids": field(st.lists(st.integers(-5, 60000), max_size=4)),
-    "min_tokens": field(st.integers(-2, 5)),
-    "ignore_eos": field(st.booleans()),
-    "skip_special_tokens": field(st.booleans()),
-    "include_stop_str_in_output": field(st.booleans()),
-    "logit_bias": field(st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=2)),
-    "user": field(st.text(max_size=10)),
-}
-token_ids = st.lists(st.integers(-3, 60000), max_size=6)
-COMPLETION = st.fixed_dictionaries(
-    {"prompt": field(st.one_of(st.text(max_size=40), st.lists(st.text(max_size=10), max_size=5), token_ids,
-                               st.lists(token_ids, max_size=3))),
-     "max_tokens": SMALL_TOKENS},
-    optional={**COMMON, "echo": field(st.booleans()), "logprobs": field(st.integers(-1, 25)),
-              "suffix": field(st.text(max_size=3)), "best_of": field(st.integers(-1, 4))},
-)
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", ""])},
-    optional={"content": field(st.one_of(st.text(max_size=40), st.none(), st.lists(st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "image_url"]), "text": field(st.text(max_size=10))}), max_size=2))),
-        "name": field(st.text(max_size=5))},
-)
-CHAT_BODY = st.fixed_dictionaries(
-    {"messages": field(st.lists(message, max_size=3)), "max_tokens": SMALL_TOKENS},
-    optional={**COMMON, "max_completion_tokens": SMALL_TOKENS, "logprobs": field(st.booleans()),
-              "top_logprobs": field(st.integers(-1, 25)), "add_generation_prompt": field(st.booleans()),
-              "continue_final_message": field(st.booleans()),
-              "chat_template_kwargs": field(st.dictionaries(st.text(max_size=5), json_leaf, max_size=2)),
-              "tools": field(st.lists(junk, max_size=1)), "response_format": field(st.fixed_dictionaries(
-                  {"type": st.sampled_from(["text", "json_object"])}))},
-)
+MODES = [bodies(mode) for mode in ("valid", "plausible", "wild")]
+COMPLETION = st.one_of(*(m[0] for m in MODES))
+CHAT_BODY = st.one_of(*(m[1] for m in MODES))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def check_response(r: httpx.Response) -> None:
     """Never a 5xx; a 4xx is an OpenAI error; a 200 is a whole answer (streamed to [DONE])."""
+    event(f"status {r.status_code}")
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code != 200:
         assert r.status_code in (400, 404, 413, 415), (r.status_code, r.text)
@@ -322,8 +350,8 @@ def check_response(r: httpx.Response) -> None:
     if r.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]", r.text[-500:]
-        for event in events[:-1]:
-            assert "error" not in json.loads(event), event
+        for data in events[:-1]:
+            assert "error" not in json.loads(data), data
     else:
         assert r.json()["choices"], r.text
 
