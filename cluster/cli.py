@@ -131,7 +131,7 @@ def serve(
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
     max_waiting_requests: Optional[int] = typer.Option(None, help="Requests a replica holds beyond its seats; past it: 429 with Retry-After (default: 256)."),
-    max_ongoing_requests: Optional[int] = typer.Option(None, help="Serve's cap of requests in flight to one replica (default: seats + max waiting + 64)."),
+    max_ongoing_requests: Optional[int] = typer.Option(None, help="Serve's cap of requests in flight to one replica (default: 1024; must exceed seats + max waiting)."),
     max_n: Optional[int] = typer.Option(None, help="Largest n (choices per request) (default: 16)."),
     max_logprobs: Optional[int] = typer.Option(None, help="Largest logprobs / top_logprobs, at most 20 (default: 20)."),
     max_stop_sequences: Optional[int] = typer.Option(None, help="Stop strings per request (default: 16)."),
