@@ -163,6 +163,12 @@ def app_builder(args: dict[str, Any]):
         pydantic.ValidationError: a bad or unknown argument (Serve reports it as a deploy failure).
     """
     config = ServeConfig.model_validate(args)
+    ignored = sorted({"host", "port", "address", "app_name"} & config.model_fields_set)
+    if ignored:
+        logger.warning(
+            "app_builder ignores %s: a Serve config sets them in http_options and the application's name",
+            ", ".join(ignored),
+        )
     sized = "replicas" in config.model_fields_set or config.autoscaling is not None
     return build_app(config, None if sized else 1)
 

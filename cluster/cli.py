@@ -83,6 +83,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    if "applications" in data:
+        raise ValueError(
+            f"{path} is a Ray Serve config file (it has 'applications'): deploy it with `serve run {path}` "
+            "or `serve deploy`; `carpool serve --config` takes Carpool's settings (the `args` of its application)"
+        )
     return data
 
 

@@ -316,7 +316,7 @@ class OpenAIIngress:
         self.replica = replica
         self.stream_handle = replica.options(stream=True)
         engine = self.config.engine
-        self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model))
+        self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model, weights=False))
         self._info: dict[str, Any] | None = None
         self._token_text: dict[int, str] = {}
         from replica.deployment import _replica_id

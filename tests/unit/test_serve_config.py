@@ -51,6 +51,13 @@ def test_bad_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         build_config(tmp_path / "absent.json", {}, {})
 
+    # The shipped Serve config is for `serve run`; carpool serve says so instead of listing fields.
+    from pathlib import Path
+
+    serve_config = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+    with pytest.raises(ValueError, match="serve run"):
+        build_config(serve_config, {}, {})
+
 
 # ---- replica placement and scaling (cluster/app.py), through the options build_app gives Serve --
 def _replica_deployment(app):
