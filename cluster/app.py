@@ -94,8 +94,13 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
         if num_replicas is not None:
             raise ValueError("num_replicas cannot be combined with autoscaling")
         options["autoscaling_config"] = config.autoscaling.serve_options()
+        most = config.autoscaling.max_replicas
     else:
-        options["num_replicas"] = num_replicas if num_replicas is not None else resolve_replicas(config)
+        options["num_replicas"] = most = num_replicas if num_replicas is not None else resolve_replicas(config)
+    # Each replica refuses what it cannot hold (replica/deployment.py: 429). This bounds the
+    # ingress's handle queue while no replica can take a request (e.g. none running yet); past it
+    # the handle raises BackPressureError, which the ingress answers with 429 too.
+    options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
     return options
 
 
@@ -111,7 +116,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to.
     """
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
+    from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from replica.deployment import LLMReplica
     from router.ingress import OpenAIIngress
@@ -127,13 +132,16 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * config.routing_stats_period_s),
         ),
-    ).bind(engine.model_dump(), threads, config.model_name)
+    ).bind(engine.model_dump(), threads, config.model_name, config.max_waiting_requests)
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
         num_replicas=config.ingress_replicas,
         # Every open HTTP stream is one ongoing request of the ingress.
         max_ongoing_requests=max(4096, 4 * config.max_ongoing_requests),
+        # Requests the proxy holds for a busy ingress, at most; past it the proxy answers 429.
+        max_queued_requests=max(4096, 4 * config.max_ongoing_requests),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
     ).bind(replica, config.model_dump())
@@ -155,6 +163,12 @@ def app_builder(args: dict[str, Any]):
         pydantic.ValidationError: a bad or unknown argument (Serve reports it as a deploy failure).
     """
     config = ServeConfig.model_validate(args)
+    ignored = sorted({"host", "port", "address", "app_name"} & config.model_fields_set)
+    if ignored:
+        logger.warning(
+            "app_builder ignores %s: a Serve config sets them in http_options and the application's name",
+            ", ".join(ignored),
+        )
     sized = "replicas" in config.model_fields_set or config.autoscaling is not None
     return build_app(config, None if sized else 1)
 

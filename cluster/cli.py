@@ -83,6 +83,11 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    if "applications" in data:
+        raise ValueError(
+            f"{path} is a Ray Serve config file (it has 'applications'): deploy it with `serve run {path}` "
+            "or `serve deploy`; `carpool serve --config` takes Carpool's settings (the `args` of its application)"
+        )
     return data
 
 
@@ -130,6 +135,15 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
+    max_waiting_requests: Optional[int] = typer.Option(None, help="Requests a replica holds beyond its seats; past it: 429 with Retry-After (default: 256)."),
+    max_ongoing_requests: Optional[int] = typer.Option(None, help="Serve's cap of requests in flight to one replica (default: 1024; must exceed seats + max waiting)."),
+    max_n: Optional[int] = typer.Option(None, help="Largest n (choices per request) (default: 16)."),
+    max_logprobs: Optional[int] = typer.Option(None, help="Largest logprobs / top_logprobs, at most 20 (default: 20)."),
+    max_stop_sequences: Optional[int] = typer.Option(None, help="Stop strings per request (default: 16)."),
+    max_stop_sequence_length: Optional[int] = typer.Option(None, help="Characters per stop string (default: 256)."),
+    max_prompts_per_request: Optional[int] = typer.Option(None, help="Prompts in one /v1/completions request (default: 64)."),
+    max_choices_per_request: Optional[int] = typer.Option(None, help="Prompts x n of one request (default: 128)."),
+    max_request_body_bytes: Optional[str] = typer.Option(None, help="Largest request body, bytes or with a unit (1MiB); larger: 413 (default: 8MiB)."),
     shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", help="Seconds in-flight requests may take to finish on SIGTERM/Ctrl-C before they are ended (default: 30)."),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
@@ -137,6 +151,10 @@ def serve(
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
     except ValueError as exc:
         _fail(f"engine.kv_cache_memory: {exc}")
+    try:
+        body_bytes = parse_bytes(max_request_body_bytes) if max_request_body_bytes is not None else None
+    except ValueError as exc:
+        _fail(f"max_request_body_bytes: {exc}")
     engine_overrides = {
         "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
@@ -145,6 +163,10 @@ def serve(
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
         "api_key": api_key, "address": address, "include_dashboard": dashboard,
+        "max_waiting_requests": max_waiting_requests, "max_ongoing_requests": max_ongoing_requests,
+        "max_n": max_n, "max_logprobs": max_logprobs, "max_stop_sequences": max_stop_sequences,
+        "max_stop_sequence_length": max_stop_sequence_length, "max_prompts_per_request": max_prompts_per_request,
+        "max_choices_per_request": max_choices_per_request, "max_request_body_bytes": body_bytes,
         "shutdown_timeout_s": shutdown_timeout,
     }
     try:

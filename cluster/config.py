@@ -155,12 +155,41 @@ class ServeConfig(BaseModel):
         1024,
         ge=1,
         description=(
-            "Serve's cap of requests in flight to one replica. Far above max_num_seqs, so that "
-            "requests reach the engine's own waiting queue (Serve's default of 5 would starve the batch)."
+            "Serve's cap of requests in flight to one replica. It must be above what a replica "
+            "admits (max_num_seqs + max_waiting_requests), so that requests reach the replica, which "
+            "refuses the ones past its waiting bound (429) instead of Serve queueing them."
+        ),
+    )
+    max_waiting_requests: int = Field(
+        256,
+        ge=0,
+        description=(
+            "Requests one replica holds beyond its seats (max_num_seqs) at most. A request past "
+            "max_num_seqs + max_waiting_requests is refused with 429 and Retry-After."
         ),
     )
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (tokenization, SSE).")
+    # ---- request caps: a request past one is refused with a 4xx naming the field ----
     max_n: int = Field(16, ge=1, description="Largest 'n' (choices per request) the API accepts.")
+    max_logprobs: int = Field(
+        20, ge=0, le=20, description="Largest 'logprobs' (completions) / 'top_logprobs' (chat) the API accepts."
+    )
+    max_stop_sequences: int = Field(16, ge=0, description="Stop strings per request at most.")
+    max_stop_sequence_length: int = Field(256, ge=1, description="Characters per stop string at most.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Prompts in one /v1/completions request (a list of prompts) at most."
+    )
+    max_choices_per_request: int = Field(
+        128, ge=1, description="Prompts x n of one request at most (each is one replica request)."
+    )
+    max_request_body_bytes: int = Field(
+        8 * 2**20,
+        ge=1024,
+        description=(
+            "Request body size at most (bytes); a larger body is refused with 413 before it is read "
+            "whole (by Content-Length, or while a chunked body arrives)."
+        ),
+    )
     routing_stats_period_s: float = Field(
         0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
     )
@@ -197,6 +226,17 @@ class ServeConfig(BaseModel):
             raise ValueError(
                 f"replicas={self.replicas} and autoscaling are both set: give a fixed replica count "
                 "or autoscaling bounds, not both"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_max_ongoing(self) -> "ServeConfig":
+        admitted = self.engine.max_num_seqs + self.max_waiting_requests
+        if self.max_ongoing_requests <= admitted:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) must be greater than "
+                f"engine.max_num_seqs + max_waiting_requests ({admitted}); otherwise Serve queues the "
+                "requests a replica would refuse"
             )
         return self
 

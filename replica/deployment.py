@@ -27,15 +27,28 @@ from replica.request import SamplingParams, StepOutput
 logger = logging.getLogger(__name__)
 
 
+class ReplicaOverloadedError(RuntimeError):
+    """The replica already holds ``max_num_seqs + max_waiting_requests`` requests; this one was
+    refused before anything was queued (the ingress answers 429 with ``Retry-After``)."""
+
+
 class LLMReplica:
     """Serve deployment body (``serve.deployment`` is applied in :func:`cluster.app.build_app`).
 
     Args:
         engine_config: the engine settings as a dict (``EngineConfig`` fields).
         num_threads: torch intra-op threads on CPU (one per reserved core).
+        model_name: the served model's name (the metrics' ``model_name`` label).
+        max_waiting_requests: requests held beyond the seats at most; ``None`` for no bound.
     """
 
-    def __init__(self, engine_config: dict[str, Any], num_threads: int = 1, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        num_threads: int = 1,
+        model_name: str | None = None,
+        max_waiting_requests: int | None = None,
+    ) -> None:
         config = EngineConfig(**engine_config)
         if config.device == "cpu":
             import torch
@@ -51,6 +64,7 @@ class LLMReplica:
         self.engine = AsyncLLMEngine(config, metrics=self.metrics)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
+        self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
             self._replica_id, config.model, config.dtype, config.device, config.max_num_seqs,
@@ -59,11 +73,20 @@ class LLMReplica:
 
     # ---- requests ----------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
-    ) -> AsyncIterator[StepOutput]:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        announce: bool = False,
+    ) -> AsyncIterator[StepOutput | None]:
         """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas.
 
+        With ``announce``, the first item is ``None`` as soon as the request is admitted, so that a
+        streaming caller learns of a refusal before it starts its response.
+
         Raises:
+            ReplicaOverloadedError: the replica already holds ``max_num_seqs +
+                max_waiting_requests`` requests; nothing is queued.
             ValueError: the request cannot be served (token outside the vocabulary, prompt
                 not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
             replica.async_engine.RequestFailedError: an internal error ended this request
@@ -72,9 +95,17 @@ class LLMReplica:
             replica.async_engine.EngineDeadError: the engine loop died (the health check then
                 fails and Serve restarts this replica).
         """
+        if self.max_admitted is not None and self._inflight >= self.max_admitted:
+            self.metrics.on_rejected()
+            raise ReplicaOverloadedError(
+                f"replica is full: {self._inflight} requests held, at most {self.max_admitted} "
+                "(max_num_seqs + max_waiting_requests)"
+            )
         self._inflight += 1
         self._num_requests += 1
         try:
+            if announce:
+                yield None
             async for delta in self.engine.generate(
                 request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params
             ):

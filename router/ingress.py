@@ -8,8 +8,12 @@ seeded request using ``seed + i``. Replica outputs arrive through a ``Deployment
 ``stream=True`` and leave as one JSON body or as server-sent events ending in ``data: [DONE]``.
 
 Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-body or parameter (the message names the field), 401 for a missing or wrong API key, 404 for an
-unknown model or path, 503 when no replica can serve. A client's mistake never yields a 500.
+body or parameter, or one past a configured cap (the message names the field), 401 for a missing
+or wrong API key, 404 for an unknown model or path, 413 for a body over ``max_request_body_bytes``,
+415 for a non-JSON ``Content-Type``, 429 (with ``Retry-After``) when the chosen replica is full,
+503 when no replica can serve. A client's mistake never yields a 500. The API key and the body
+size are checked by :class:`RequestGuard` before routing; every error response is counted in
+``carpool:http_requests_rejected_total``.
 
 When the HTTP client goes away mid-stream, Serve cancels this handler; the ``finally`` blocks
 cancel every replica stream of the request, and each replica aborts its engine request.
@@ -26,28 +30,66 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.config import ServeConfig
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.deployment import ReplicaOverloadedError
 from replica.request import SamplingParams, StepOutput, TokenLogprobs
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
 
 logger = logging.getLogger(__name__)
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (seconds)
 
 app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
 
 
+class _Guard:
+    """What the request guard and the error handlers of this process need (see :func:`configure`)."""
+
+    api_key: str | None = None
+    max_request_body_bytes: int | None = None
+    metrics = None  # replica.metrics.IngressMetrics
+
+
+_guard = _Guard()
+
+
+def configure(api_key: str | None, max_request_body_bytes: int | None, metrics) -> None:
+    """Set this process's API key, body cap and ingress metrics (``OpenAIIngress`` calls it).
+
+    Serve runs a pickled copy of ``app``, and the ingress class is pickled by value (the module's
+    name ``OpenAIIngress`` is Serve's wrapper), so neither ``app.state`` nor a global read in
+    ``OpenAIIngress.__init__`` is what the middleware sees; this function, pickled by reference,
+    sets the module's own ``_guard``.
+    """
+    _guard.api_key = api_key
+    _guard.max_request_body_bytes = max_request_body_bytes
+    _guard.metrics = metrics
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def _error_response(err: OpenAIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status_code == 401 else None
+    """The JSON response of an error (``WWW-Authenticate`` on 401, ``Retry-After`` on 429),
+    counted in ``carpool:http_requests_rejected_total``."""
+    headers = None
+    if err.status_code == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif err.status_code == 429:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    if _guard.metrics is not None:
+        _guard.metrics.on_rejected(err.status_code, err.code)
     return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
 
 
@@ -58,14 +100,35 @@ async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    content_type = request.headers.get("content-type")
+    if request.method == "POST" and not (content_type and _is_json(content_type)):
+        # FastAPI hands a body without a JSON Content-Type to the model as bytes, which fails.
+        got = repr(content_type) if content_type else "none"
+        message = f"Content-Type must be application/json, got {got}"
+        return _error_response(OpenAIError(message, 415, code="unsupported_media_type"))
     return _error_response(validation_error(exc.errors()))
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 413:
+        return _error_response(_body_too_large())
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return _error_response(OpenAIError(message, exc.status_code, code=code))
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _body_too_large() -> OpenAIError:
+    return OpenAIError(
+        f"request body is larger than {_guard.max_request_body_bytes} bytes (max_request_body_bytes)",
+        413,
+        code="request_too_large",
+    )
 
 
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
@@ -94,16 +157,49 @@ def _sampling_error(exc: ValueError) -> OpenAIError:
     return OpenAIError(message, param=param, code="invalid_value")
 
 
-# ---- auth ----------------------------------------------------------------------------------------
-async def check_api_key(request: Request) -> None:
-    """Require ``Authorization: Bearer <api_key>`` when the server has an API key (constant-time compare)."""
-    expected: str | None = getattr(request.app.state, "api_key", None)
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise OpenAIError("missing or invalid API key (Authorization: Bearer ...)", 401, code="invalid_api_key")
+# ---- auth and body size, before routing -----------------------------------------------------------
+def api_key_matches(authorization: str | None, api_key: str) -> bool:
+    """True if an ``Authorization`` header value is ``Bearer <api_key>`` (constant-time compare)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class RequestGuard:
+    """ASGI middleware that runs before routing and before any body is read.
+
+    * With an API key, every path but ``/health`` needs ``Authorization: Bearer <api_key>``:
+      401 otherwise (unknown paths too, so that they reveal nothing).
+    * A body declared larger than ``max_request_body_bytes`` (``Content-Length``) gets 413 at
+      once, unread; a body without ``Content-Length`` (chunked) is counted as it arrives
+      (Starlette's ``RequestBodyLimitMiddleware``) and refused with 413 when it passes the cap.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        error = None
+        if _guard.api_key and path != "/health" and not api_key_matches(headers.get("authorization"), _guard.api_key):
+            error = OpenAIError("missing or invalid API key (Authorization: Bearer ...)", 401, code="invalid_api_key")
+        elif _guard.max_request_body_bytes is not None:
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > _guard.max_request_body_bytes:
+                error = _body_too_large()
+        if error is not None:
+            await _error_response(error)(scope, receive, send)
+            return
+        if _guard.max_request_body_bytes is None:
+            await self.app(scope, receive, send)
+            return
+        await RequestBodyLimitMiddleware(self.app, _guard.max_request_body_bytes)(scope, receive, send)
+
+
+app.add_middleware(RequestGuard)
 
 
 # ---- one choice's accumulated output -------------------------------------------------------------
@@ -168,13 +264,22 @@ def _finite(value: float) -> float:
 def _replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
-    ``ValueError`` (the engine refused the request) → 400; an internal error of the engine that
-    ended this request alone (``RequestFailedError``) → 500; anything else (the replica process
-    died, its engine loop stopped, the server ended the request while shutting down) → 503, so
-    that clients retry.
+    ``ValueError`` (the engine refused the request) → 400; a full replica
+    (:class:`~replica.deployment.ReplicaOverloadedError`) or a full handle queue (Serve's
+    ``BackPressureError``) → 429 with ``Retry-After``; an internal error of the engine that ended
+    this request alone (``RequestFailedError``) → 500; anything else (the replica process died,
+    its engine loop stopped, the server ended the request while shutting down) → 503, so that
+    clients retry.
     """
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, (ReplicaOverloadedError, BackPressureError)):
+        return OpenAIError(
+            "the server is at capacity (every replica's waiting queue is full); retry after a moment",
+            429,
+            type="overloaded_error",
+            code="overloaded",
+        )
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the replica's own exception
     if isinstance(exc, ValueError):
         return _sampling_error(cause if isinstance(cause, ValueError) else exc)
@@ -187,6 +292,11 @@ def _replica_error(exc: BaseException) -> OpenAIError:
     else:  # e.g. ray.exceptions.ActorDiedError: the replica process is gone
         detail = f"the replica serving this request failed ({type(original).__name__}); retry"
     return OpenAIError(detail, 503, type="service_unavailable_error", code="unavailable")
+
+
+def _cancel_all(streams: list[tuple[int, Any]]) -> None:
+    for _, gen in streams:
+        gen.cancel()  # no-op for a finished stream
 
 
 def _stream_event(
@@ -216,10 +326,14 @@ class OpenAIIngress:
         self.replica = replica
         self.stream_handle = replica.options(stream=True)
         engine = self.config.engine
-        self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model))
+        self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model, weights=False))
         self._info: dict[str, Any] | None = None
         self._token_text: dict[int, str] = {}
-        app.state.api_key = self.config.api_key
+        from replica.deployment import _replica_id
+        from replica.metrics import IngressMetrics
+
+        self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
+        configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self._health_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
         self._ready_once = False  # every replica was up at least once (start-up is over)
         self._draining = False  # shutting down: new generation requests get 503
@@ -265,20 +379,20 @@ class OpenAIIngress:
         if self._draining:
             raise OpenAIError("the server is shutting down", 503, type="service_unavailable_error", code="shutting_down")
 
-    @app.get("/metrics", dependencies=[Depends(check_api_key)])
+    @app.get("/metrics")
     async def metrics(self) -> Response:
-        """Every replica's ``carpool:*`` series in the Prometheus text format (one scrape target
-        for the whole application; see ``deploy/prometheus/``). A replica that does not answer
-        within 5 s is left out of this scrape."""
+        """Every replica's ``carpool:*`` series in the Prometheus text format, and this ingress's
+        own (requests it refused); one scrape target for the whole application, see
+        ``deploy/prometheus/``. A replica that does not answer within 5 s is left out of this scrape."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         from replica.metrics import merge_expositions
 
         results = await self.replica.broadcast("metrics_text").results_async(timeout_s=5.0, return_exceptions=True)
-        texts = [r for r in results if isinstance(r, str)]
+        texts = [r for r in results if isinstance(r, str)] + [self.metrics.exposition().decode()]
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_api_key)])
+    @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         info = await self._model_info()
         return {
@@ -295,7 +409,7 @@ class OpenAIIngress:
             ],
         }
 
-    @app.post("/v1/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._admit()
         self._check_common(body)
@@ -305,6 +419,15 @@ class OpenAIIngress:
             raise OpenAIError("best_of other than n is not supported", param="best_of", code="unsupported")
         if body.echo and body.logprobs is not None:
             raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo", code="unsupported")
+        caps = self.config
+        if len(body.prompt) > caps.max_prompts_per_request:
+            raise OpenAIError(
+                f"prompt: at most {caps.max_prompts_per_request} prompts per request, got {len(body.prompt)}",
+                param="prompt", code="invalid_value",
+            )
+        self._check_fanout(len(body.prompt) * body.n, "prompt" if len(body.prompt) > 1 else "n")
+        if body.logprobs is not None and body.logprobs > caps.max_logprobs:
+            raise OpenAIError(f"logprobs: must be at most {caps.max_logprobs}, got {body.logprobs}", param="logprobs", code="invalid_value")
         info = await self._model_info()
         prompts, texts = [], []
         for i, p in enumerate(body.prompt):
@@ -319,11 +442,12 @@ class OpenAIIngress:
             prompts.append(ids)
         prepared = self._prepare("cmpl", body, prompts, texts, body.max_tokens, body.logprobs, info)
         if body.stream:
-            return self._sse(self._completion_stream(prepared, body))
+            streams = await self._open_streams(prepared)
+            return self._sse(self._completion_stream(prepared, body, streams))
         choices = await self._run_all(prepared)
         return self._completion_body(prepared, body, choices)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         self._admit()
         self._check_common(body)
@@ -333,6 +457,12 @@ class OpenAIIngress:
             raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format", code="unsupported")
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and body.top_logprobs > self.config.max_logprobs:
+            raise OpenAIError(
+                f"top_logprobs: must be at most {self.config.max_logprobs}, got {body.top_logprobs}",
+                param="top_logprobs", code="invalid_value",
+            )
+        self._check_fanout(body.n, "n")
         info = await self._model_info()
         ids = self._apply_chat_template(body)
         self._check_prompt(ids, info, "messages")
@@ -341,7 +471,8 @@ class OpenAIIngress:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         prepared = self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info, param)
         if body.stream:
-            return self._sse(self._chat_stream(prepared, body))
+            streams = await self._open_streams(prepared)
+            return self._sse(self._chat_stream(prepared, body, streams))
         choices = await self._run_all(prepared)
         return self._chat_body(prepared, body, choices)
 
@@ -355,6 +486,27 @@ class OpenAIIngress:
             raise OpenAIError("logit_bias is not supported", param="logit_bias", code="unsupported")
         if body.stream_options is not None and not body.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+        stops = body.stop or []
+        if len(stops) > self.config.max_stop_sequences:
+            raise OpenAIError(
+                f"stop: at most {self.config.max_stop_sequences} stop sequences, got {len(stops)}",
+                param="stop", code="invalid_value",
+            )
+        longest = max((len(s) for s in stops), default=0)
+        if longest > self.config.max_stop_sequence_length:
+            raise OpenAIError(
+                f"stop: a stop sequence has at most {self.config.max_stop_sequence_length} characters, got {longest}",
+                param="stop", code="invalid_value",
+            )
+
+    def _check_fanout(self, choices: int, param: str) -> None:
+        """Prompts × ``n`` (one replica request each) must not pass ``max_choices_per_request``."""
+        if choices > self.config.max_choices_per_request:
+            raise OpenAIError(
+                f"{param}: the request asks for {choices} choices (prompts x n), at most "
+                f"{self.config.max_choices_per_request} are allowed",
+                param=param, code="invalid_value",
+            )
 
     def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str) -> None:
         vocab = info["vocab_size"]
@@ -481,14 +633,30 @@ class OpenAIIngress:
         return ok, detail
 
     # ---- running on the replicas -------------------------------------------------------------
-    async def _stream_choices(self, prepared: _Prepared) -> AsyncIterator[tuple[int, StepOutput]]:
-        """Fan the request out (one replica request per choice) and yield ``(choice index, delta)``
-        as deltas arrive. Closing this generator cancels every replica request still running."""
-        jobs = prepared.jobs()
+    async def _open_streams(self, prepared: _Prepared) -> list[tuple[int, Any]]:
+        """Fan the request out (one replica stream per choice) and wait until every replica has
+        admitted its part, so that a refusal is an HTTP status (429 when a replica is full), not
+        an error event in a stream that has already begun. Returns ``(choice index, stream)``.
+
+        Raises :class:`OpenAIError`; then, or if this call is cancelled, every stream is cancelled.
+        """
         streams = []
-        for index, _, ids, params in jobs:
+        for index, _, ids, params in prepared.jobs():
             rid = f"{prepared.request_id}-{index}"
-            streams.append((index, self.stream_handle.generate.remote(rid, ids, params)))
+            streams.append((index, self.stream_handle.generate.remote(rid, ids, params, True)))
+        try:
+            for _, gen in streams:
+                await gen.__anext__()  # the replica's admission (None)
+        except BaseException as exc:
+            _cancel_all(streams)
+            if isinstance(exc, Exception):
+                raise _replica_error(exc) from None
+            raise
+        return streams
+
+    async def _stream_choices(self, streams: list[tuple[int, Any]]) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Yield ``(choice index, delta)`` from the admitted streams (:meth:`_open_streams`) as
+        deltas arrive. Closing this generator cancels every replica request still running."""
         if len(streams) == 1:
             index, gen = streams[0]
             try:
@@ -648,15 +816,17 @@ class OpenAIIngress:
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _guarded(self, prepared: _Prepared) -> AsyncIterator[tuple[int, StepOutput]]:
+    async def _guarded(self, streams: list[tuple[int, Any]]) -> AsyncIterator[tuple[int, StepOutput]]:
         """Like ``_stream_choices``, but replica errors become one OpenAI error event."""
         try:
-            async for item in self._stream_choices(prepared):
+            async for item in self._stream_choices(streams):
                 yield item
         except Exception as exc:
             raise _StreamError(_replica_error(exc)) from None
 
-    async def _completion_stream(self, prepared: _Prepared, body: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _completion_stream(
+        self, prepared: _Prepared, body: CompletionRequest, streams: list[tuple[int, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             return _stream_event(prepared, "text_completion", choices, usage)
 
@@ -670,7 +840,7 @@ class OpenAIIngress:
                     offsets[index] = len(prefix)
                     echoed.append({"index": index, "text": prefix, "logprobs": None, "finish_reason": None})
                 yield chunk(echoed)
-            async for index, delta in self._guarded(prepared):
+            async for index, delta in self._guarded(streams):
                 c = choices[index]
                 c.add(delta)
                 if not delta.new_text and not delta.finished and not (body.logprobs is not None and delta.new_logprobs):
@@ -690,8 +860,12 @@ class OpenAIIngress:
                 yield chunk([], self._usage(prepared, choices.values()))
         except _StreamError as exc:
             yield exc.error.body()
+        finally:  # closed early (client gone): no replica request outlives the response
+            _cancel_all(streams)
 
-    async def _chat_stream(self, prepared: _Prepared, body: ChatCompletionRequest) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_stream(
+        self, prepared: _Prepared, body: ChatCompletionRequest, streams: list[tuple[int, Any]]
+    ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             return _stream_event(prepared, "chat.completion.chunk", choices, usage)
 
@@ -699,7 +873,7 @@ class OpenAIIngress:
         try:
             for index in choices:
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            async for index, delta in self._guarded(prepared):
+            async for index, delta in self._guarded(streams):
                 choices[index].add(delta)
                 if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs):
                     continue
@@ -714,3 +888,5 @@ class OpenAIIngress:
                 yield chunk([], self._usage(prepared, choices.values()))
         except _StreamError as exc:
             yield exc.error.body()
+        finally:  # closed early (client gone): no replica request outlives the response
+            _cancel_all(streams)

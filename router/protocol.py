@@ -27,8 +27,9 @@ def _number(value: Any) -> Any:
 Number = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
 """A finite JSON number (int or float); strings and booleans are rejected."""
 
-MAX_STOP = 16  # stop strings per request
-MAX_LOGPROBS = 20  # the engine's cap (SamplingParams.MAX_LOGPROBS)
+MAX_LOGPROBS = 20  # the engine's cap (SamplingParams.MAX_LOGPROBS); the server's may be lower
+# The server's own caps (n, stop sequences, prompts, logprobs) are ServeConfig fields, checked by
+# the ingress.
 
 
 class OpenAIError(Exception):
@@ -73,8 +74,6 @@ def _check_stop(value: Any) -> list[str] | None:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ValueError("must be a string or a list of strings")
-    if len(stops) > MAX_STOP:
-        raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
     if any(s == "" for s in stops):
         raise ValueError("stop sequences must not be empty strings")
     return stops
@@ -94,7 +93,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     seed: StrictInt | None = Field(None, description="Choice i of a seeded request uses seed + i.")
-    stop: Any = Field(None, description="A string or up to 16 strings that end generation.")
+    stop: Any = Field(None, description="A string or a list of strings that end generation (max_stop_sequences).")
     user: StrictStr | None = None
     logit_bias: dict[str, Any] | None = Field(None, description="Not supported: must be empty.")
     # vLLM extras

@@ -151,6 +151,30 @@ def test_rayservice_groups_ports_and_probes(rayservice, serve_config):
     assert cluster["enableInTreeAutoscaling"] is True
 
 
+def test_rayservice_ports_and_images_agree(rayservice, serve_config):
+    """One Serve port everywhere (the config's http_options, both containers, the probe, the
+    PodMonitor), reachable from outside the pod; Ray's metrics export port is the containers'
+    metrics port; every pod runs the same CUDA image; GPU pods tolerate the GPU taint."""
+    http = serve_config["http_options"]
+    assert http["host"] == "0.0.0.0"  # 127.0.0.1 would be unreachable through the Service
+    assert serve_config.get("proxy_location", "EveryNode") == "EveryNode"
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head, (gpu,) = cluster["headGroupSpec"], cluster["workerGroupSpecs"]
+    head_c, worker_c = containers(head)["ray-head"], containers(gpu)["ray-worker"]
+    assert ports(head_c)["serve"] == ports(worker_c)["serve"] == http["port"]
+    assert worker_c["readinessProbe"]["httpGet"]["port"] == http["port"]
+    metrics_port = int(head["rayStartParams"]["metrics-export-port"])
+    assert ports(head_c)["metrics"] == ports(worker_c)["metrics"] == metrics_port
+    assert int(gpu["rayStartParams"].get("metrics-export-port", metrics_port)) == metrics_port
+    assert head_c["image"] == worker_c["image"]
+    assert head["rayStartParams"].get("num-gpus") == "0"
+    assert any(t.get("key") == "nvidia.com/gpu" for t in gpu["template"]["spec"].get("tolerations", []))
+    import re
+
+    base = re.search(r"^FROM rayproject/ray:(\S+)", (DEPLOY / "Dockerfile").read_text(), re.M).group(1)
+    assert base.endswith("-gpu") or "-cu" in base, base  # a CUDA image: replicas run on GPUs
+
+
 # ---- the PodMonitors --------------------------------------------------------------------------
 def kuberay_pod_labels(rayservice: dict, node_type: str, group: dict, cluster_name: str) -> dict:
     """The labels KubeRay puts on a Ray pod: ``labelPod`` in ray-operator/controllers/ray/common/

@@ -201,7 +201,7 @@ BAD_REQUESTS = [
     # (name, path, body (dict, or raw bytes), headers, expected status, expected param)
     ("malformed JSON", "/completions", b'{"prompt": "x"', None, 400, None),
     ("body not an object", "/completions", b"[1, 2]", None, 400, None),
-    ("wrong content type", "/completions", b"prompt=hello", {"content-type": "text/plain"}, 400, None),
+    ("wrong content type", "/completions", b"prompt=hello", {"content-type": "text/plain"}, 415, None),
     ("missing prompt", "/completions", {"max_tokens": 2}, None, 400, "prompt"),
     ("missing messages", "/chat/completions", {"max_tokens": 2}, None, 400, "messages"),
     ("empty messages", "/chat/completions", {"messages": []}, None, 400, "messages"),

@@ -57,9 +57,9 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
     config.write_text(json.dumps({"replicas": 1, "port": 1, "engine": {"dtype": "bfloat16", "max_num_seqs": 4, "num_blocks": 64, "max_model_len": 512}}))
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
-        [CARPOOL, "serve", "--config", str(config), "--port", str(port), "--api-key", "sekrit"],
+        [CARPOOL, "serve", "--config", str(config), "--port", str(port)],  # the API key from the environment
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "CARPOOL_API_KEY": "sekrit"},
     )
     url = f"http://127.0.0.1:{port}"
     try:

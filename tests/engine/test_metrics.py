@@ -88,3 +88,24 @@ def test_exposition_has_prefix_and_labels(tiny_llama):
     text = m.exposition().decode()
     assert 'carpool:num_requests_running{model_name="tiny",replica="r0"} 0.0' in text
     assert "carpool:time_to_first_token_seconds_bucket" in text
+
+
+def test_ingress_refusals_merge_with_the_replicas_series(tiny_llama):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from replica.metrics import IngressMetrics, merge_expositions
+
+    _, m = make_engine(tiny_llama)
+    ingress = IngressMetrics(model_name="tiny", replica="ingress-1")
+    ingress.on_rejected(429, "overloaded")
+    ingress.on_rejected(429, "overloaded")
+    ingress.on_rejected(404, None)
+    merged = merge_expositions([m.exposition().decode(), ingress.exposition().decode()]).decode()
+    samples = {
+        (s.labels["status"], s.labels["code"]): s.value
+        for f in text_string_to_metric_families(merged) if f.name == "carpool:http_requests_rejected"
+        for s in f.samples if s.name.endswith("_total")
+    }
+    assert samples[("429", "overloaded")] == 2 and samples[("404", "none")] == 1
+    assert samples[("401", "invalid_api_key")] == 0  # present before the first refusal
+    assert 'carpool:num_requests_running{model_name="tiny",replica="r0"}' in merged

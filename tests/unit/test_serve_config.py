@@ -51,6 +51,13 @@ def test_bad_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         build_config(tmp_path / "absent.json", {}, {})
 
+    # The shipped Serve config is for `serve run`; carpool serve says so instead of listing fields.
+    from pathlib import Path
+
+    serve_config = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"
+    with pytest.raises(ValueError, match="serve run"):
+        build_config(serve_config, {}, {})
+
 
 # ---- replica placement and scaling (cluster/app.py), through the options build_app gives Serve --
 def _replica_deployment(app):
@@ -137,3 +144,48 @@ def test_app_builder_takes_serve_config_fields(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("autoscaling:\n  min_replicas: 1\n  max_replicas: 2\n")
     assert build_config(path, {}, {}).autoscaling.max_replicas == 2
+def test_limits_defaults_and_bounds():
+    cfg = ServeConfig()
+    assert cfg.host == "127.0.0.1"  # loopback unless told otherwise
+    assert cfg.api_key is None
+    assert (cfg.max_waiting_requests, cfg.max_n, cfg.max_logprobs) == (256, 16, 20)
+    assert cfg.max_request_body_bytes == 8 * 2**20
+    # Serve's max_ongoing_requests must sit above what a replica admits, so the replica refuses the rest.
+    assert cfg.max_ongoing_requests == 1024
+    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+        ServeConfig(max_ongoing_requests=288)  # 32 seats + 256 waiting: Serve would queue the rest
+    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+        ServeConfig(engine={"max_num_seqs": 1000})
+    assert ServeConfig(engine={"max_num_seqs": 1000}, max_ongoing_requests=2000).max_ongoing_requests == 2000
+
+
+def test_replica_deployment_bounds_its_handle_queue():
+    from cluster.app import replica_deployment_options
+
+    options = replica_deployment_options(ServeConfig(engine={"max_num_seqs": 4}, max_waiting_requests=6), 3)
+    assert options["max_queued_requests"] == 3 * (4 + 6) + 64
+    scaled = ServeConfig(engine={"max_num_seqs": 4}, max_waiting_requests=6, autoscaling={"max_replicas": 5})
+    assert replica_deployment_options(scaled, None)["max_queued_requests"] == 5 * (4 + 6) + 64
+    with pytest.raises(ValidationError) as info:
+        ServeConfig(max_logprobs=21, max_n=0, max_waiting_requests=-1, max_request_body_bytes=10, api_key="")
+    text = format_validation_error(info.value)
+    for name in ("max_logprobs", "max_n", "max_waiting_requests", "max_request_body_bytes", "api_key"):
+        assert f"  {name}: " in text, text
+
+
+def test_serve_command_line_limits_reach_the_config(tmp_path):
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    # A bad value stops `carpool serve` before anything starts, named by its field.
+    result = CliRunner().invoke(app, ["serve", "--max-n", "0", "--max-waiting-requests", "-1", "--max-logprobs", "30"])
+    assert result.exit_code == 2
+    for name in ("max_n", "max_waiting_requests", "max_logprobs"):
+        assert f"  {name}: " in result.output, result.output
+    result = CliRunner().invoke(app, ["serve", "--max-request-body-bytes", "lots"])
+    assert result.exit_code == 2 and "max_request_body_bytes" in result.output
+    result = CliRunner().invoke(app, ["serve", "--seats", "8", "--max-waiting-requests", "8", "--max-ongoing-requests", "16"])
+    assert result.exit_code == 2 and "max_ongoing_requests (16) must be greater" in result.output
+    cfg = build_config(None, {"max_request_body_bytes": parse_bytes("1MiB"), "max_stop_sequences": 2}, {})
+    assert (cfg.max_request_body_bytes, cfg.max_stop_sequences) == (2**20, 2)

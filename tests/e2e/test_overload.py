@@ -1,0 +1,121 @@
+"""Overload against a real served app: a burst of 10x the capacity is either served or refused
+with 429 + Retry-After, never a 5xx; each replica holds at most seats + max_waiting_requests.
+
+Two replicas with 2 seats and a waiting bound of 2: capacity 2 x (2 + 2) = 8 requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from cluster.config import EngineConfig, ServeConfig
+
+SEATS, WAITING, REPLICAS = 2, 2, 2
+CAPACITY = REPLICAS * (SEATS + WAITING)
+BURST = 10 * CAPACITY
+MAX_TOKENS = 16
+CONFIG = ServeConfig(
+    app_name="e2e-overload",
+    engine=EngineConfig(dtype="float32", max_num_seqs=SEATS, max_model_len=128, num_blocks=64),
+    max_waiting_requests=WAITING,
+)
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+KINDS = [  # (path, streamed)
+    ("/v1/completions", False), ("/v1/completions", True), ("/v1/chat/completions", False), ("/v1/chat/completions", True),
+]
+
+
+@pytest.fixture(scope="module")
+def served(deploy):
+    with deploy(CONFIG, replicas=REPLICAS) as served:
+        yield served
+
+
+def body(path: str, stream: bool) -> dict:
+    common = {"model": CONFIG.model_name, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if path == "/v1/completions":
+        return {**common, "prompt": "The sea is"}
+    return {**common, "messages": CHAT}
+
+
+def text_of(path: str, r: httpx.Response) -> str:
+    """The generated text of a 200 answer (streamed or not); fails on an error event."""
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == MAX_TOKENS, r.text
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", r.text[-300:]
+    parts, finish = [], None
+    for event in map(json.loads, events[:-1]):
+        assert "error" not in event, event
+        choice = event["choices"][0]
+        parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+        finish = choice["finish_reason"] or finish
+    assert finish == "length", r.text[-300:]
+    return "".join(parts)
+
+
+def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
+    base = served.root_url
+    with httpx.Client(timeout=60) as client:  # greedy references, one request at a time
+        expected = {p: text_of(p, client.post(base + p, json=body(p, False))) for p in dict(KINDS)}
+
+    peak = {"inflight": 0, "waiting": 0}
+    stop = threading.Event()
+
+    def watch() -> None:  # the replicas' own counts while the burst runs
+        while not stop.is_set():
+            for s in served.stats():
+                peak["inflight"] = max(peak["inflight"], s["inflight"])
+                peak["waiting"] = max(peak["waiting"], s["num_waiting"])
+
+    async def burst() -> list[tuple[tuple[str, bool], httpx.Response]]:
+        limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            kinds = [KINDS[i % len(KINDS)] for i in range(BURST)]
+            responses = await asyncio.gather(*(client.post(base + p, json=body(p, s)) for p, s in kinds))
+        return list(zip(kinds, responses))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        results = asyncio.run(asyncio.wait_for(burst(), timeout=180))
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+    elapsed = time.monotonic() - started
+
+    served_ok = refused = errors_5xx = 0
+    for (path, stream), r in results:
+        if r.status_code == 200:
+            assert text_of(path, r) == expected[path], (path, stream)
+            served_ok += 1
+        elif r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded", error
+            refused += 1
+        else:
+            errors_5xx += r.status_code >= 500
+            pytest.fail(f"status {r.status_code}: {r.text[:300]}")
+    print(f"\noverload: burst={BURST} capacity={CAPACITY} served={served_ok} refused={refused} 5xx={errors_5xx} "
+          f"peak inflight per replica={peak['inflight']} peak waiting={peak['waiting']} in {elapsed:.1f}s")
+    assert served_ok + refused == BURST and errors_5xx == 0
+    assert served_ok >= CAPACITY and refused > 0
+    assert peak["inflight"] <= SEATS + WAITING, peak  # running + waiting, per replica
+
+    served.assert_idle_and_intact()
+    metrics = httpx.get(base + "/metrics", timeout=30).text
+    counted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("carpool:http_requests_rejected_total{") and 'status="429"' in line)
+    assert counted == refused, metrics
+    r = httpx.post(base + "/v1/completions", json=body("/v1/completions", False), timeout=60)
+    assert r.status_code == 200 and text_of("/v1/completions", r) == expected["/v1/completions"]
