@@ -101,6 +101,9 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     # ingress's handle queue while no replica can take a request (e.g. none running yet); past it
     # the handle raises BackPressureError, which the ingress answers with 429 too.
     options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
+    # Should a BackPressureError get past the ingress's own mapping, Serve answers 429 + Retry-After
+    # (its default is 503 without one).
+    options["backpressure_config"] = {"status_code": 429, "retry_after_s": 1}
     return options
 
 

@@ -155,6 +155,9 @@ def serve(
         body_bytes = parse_bytes(max_request_body_bytes) if max_request_body_bytes is not None else None
     except ValueError as exc:
         _fail(f"max_request_body_bytes: {exc}")
+    if api_key is None and os.environ.get("CARPOOL_API_KEY") == "":
+        # click reads an empty variable as unset: say so rather than serve without a key.
+        _fail("CARPOOL_API_KEY is set but empty: give it a key, or unset it to serve without one")
     engine_overrides = {
         "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,

@@ -210,6 +210,15 @@ class ServeConfig(BaseModel):
         ),
     )
 
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: str | None) -> str | None:
+        # HTTP headers carry latin-1 at best and clients send ASCII; the ingress compares the
+        # stripped token, so a key with outer whitespace or other characters could never match.
+        if value is not None and (not value.isascii() or not value.isprintable() or value != value.strip() or " " in value):
+            raise ValueError("must be printable ASCII without spaces (it travels in an HTTP header)")
+        return value
+
     @field_validator("replicas", mode="before")
     @classmethod
     def _check_replicas(cls, value: object) -> int | str:

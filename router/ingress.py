@@ -328,6 +328,9 @@ class OpenAIIngress:
         engine = self.config.engine
         self.tokenizer = load_tokenizer(resolve_model_path(engine.tokenizer or engine.model, weights=False))
         self._info: dict[str, Any] | None = None
+        # Characters of the longest token (byte-level BPE and SentencePiece pieces decode to at
+        # most as many characters as their vocabulary strings have); see _check_prompt_chars.
+        self._max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab()))
         self._token_text: dict[int, str] = {}
         from replica.deployment import _replica_id
         from replica.metrics import IngressMetrics
@@ -340,7 +343,7 @@ class OpenAIIngress:
         self._inflight = 0  # generation requests being answered (streams until their last event)
 
     # ---- endpoints ---------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         """200 once every replica has loaded its model, and from then on while at least one
         replica is running (a replaced replica leaves the others serving); 503 before start-up
@@ -433,7 +436,8 @@ class OpenAIIngress:
         for i, p in enumerate(body.prompt):
             param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
             if isinstance(p, str):
-                ids = self._encode(p, param, add_special_tokens=True)
+                self._check_prompt_chars(p, info, param)
+                ids = await asyncio.to_thread(self._encode, p, param, True)
                 texts.append(p)
             else:
                 ids = list(p)
@@ -464,7 +468,7 @@ class OpenAIIngress:
             )
         self._check_fanout(body.n, "n")
         info = await self._model_info()
-        ids = self._apply_chat_template(body)
+        ids = await asyncio.to_thread(self._apply_chat_template, body, info)
         self._check_prompt(ids, info, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -521,11 +525,41 @@ class OpenAIIngress:
                 code="context_length_exceeded",
             )
 
-    def _apply_chat_template(self, body: ChatCompletionRequest) -> list[int]:
+    def _check_prompt_chars(self, text: str, info: dict[str, Any], param: str) -> None:
+        """Refuse, without tokenizing it, a text that must be longer than ``max_model_len`` tokens:
+        no token decodes to more than ``self._max_token_chars`` characters, so a text of more than
+        ``max_model_len × _max_token_chars`` characters has more than ``max_model_len`` tokens.
+        Keeps a client's megabytes of prompt from holding the tokenizer for seconds."""
+        limit = info["max_model_len"] * self._max_token_chars
+        if len(text) > limit:
+            raise OpenAIError(
+                f"{param}: {len(text)} characters are more than the {info['max_model_len']} tokens "
+                f"this model accepts can hold (at most {limit} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _apply_chat_template(self, body: ChatCompletionRequest, info: dict[str, Any]) -> list[int]:
+        """Render the model's chat template over ``body.messages`` and tokenize; runs in a worker
+        thread (``asyncio.to_thread``) so that the event loop keeps serving other requests.
+
+        Raises:
+            OpenAIError: 400 if the client sends its own ``chat_template`` (a template is code:
+                the server runs only the model's), the template fails, or the text is too long.
+        """
+        kwargs = dict(body.chat_template_kwargs or {})
+        if "chat_template" in kwargs:
+            raise OpenAIError(
+                "chat_template_kwargs.chat_template is not accepted: the server applies the model's own chat template",
+                param="chat_template_kwargs", code="unsupported",
+            )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         for m in messages:
             m.setdefault("content", "")
-        kwargs = dict(body.chat_template_kwargs or {})
+        for i, m in enumerate(messages):
+            content = m["content"]
+            if isinstance(content, str):
+                self._check_prompt_chars(content, info, f"messages.{i}.content")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -536,6 +570,7 @@ class OpenAIIngress:
             )
         except Exception as exc:  # jinja errors, e.g. a role the template rejects
             raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages") from None
+        self._check_prompt_chars(text, info, "messages")
         return self._encode(text, "messages", add_special_tokens=False)
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
@@ -607,8 +642,8 @@ class OpenAIIngress:
         if self._info is None:
             try:
                 self._info = await self.replica.model_info.remote()
-            except Exception as exc:
-                raise OpenAIError(f"no replica is available: {exc}", 503, type="service_unavailable_error", code="unavailable") from None
+            except Exception as exc:  # a full handle queue → 429, no replica → 503
+                raise _replica_error(exc) from None
         return self._info
 
     async def _replicas_healthy(self) -> tuple[bool, str]:

@@ -86,6 +86,7 @@ def test_every_endpoint_but_health_needs_the_key(served, method, path, body):
     r = httpx.request(method, url, json=body, headers=AUTH, timeout=30)
     assert r.status_code == (404 if path == "/v1/nowhere" else 200), r.text
     assert httpx.get(served.root_url + "/health", timeout=30).status_code == 200  # no key needed
+    assert httpx.head(served.root_url + "/health", timeout=30).status_code == 200  # probes may send HEAD
 
 
 def test_openai_client_with_right_and_wrong_key(served):
@@ -123,6 +124,13 @@ CAPPED = [
     ("empty message list", "/v1/chat/completions", chat(messages=[]), "messages"),
     ("huge max_tokens", "/v1/chat/completions", chat(max_tokens=10**12), "max_tokens"),
     ("prompt over max_model_len", "/v1/completions", cmpl(prompt="word " * 200, max_tokens=1), "prompt"),
+    # Refused by length alone, before tokenizing: max_model_len x the longest token's characters.
+    ("prompt of megabyte size", "/v1/completions", cmpl(prompt="ab " * 20_000, max_tokens=1), "prompt"),
+    ("message of megabyte size", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "ab " * 20_000}]), "messages.0.content"),
+    # A client's own Jinja template would be code run by the server (and could loop for hours).
+    ("client chat_template", "/v1/chat/completions",
+     chat(chat_template_kwargs={"chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"}),
+     "chat_template_kwargs"),
 ]
 
 

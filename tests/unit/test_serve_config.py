@@ -164,6 +164,7 @@ def test_replica_deployment_bounds_its_handle_queue():
 
     options = replica_deployment_options(ServeConfig(engine={"max_num_seqs": 4}, max_waiting_requests=6), 3)
     assert options["max_queued_requests"] == 3 * (4 + 6) + 64
+    assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
     scaled = ServeConfig(engine={"max_num_seqs": 4}, max_waiting_requests=6, autoscaling={"max_replicas": 5})
     assert replica_deployment_options(scaled, None)["max_queued_requests"] == 5 * (4 + 6) + 64
     with pytest.raises(ValidationError) as info:
@@ -189,3 +190,10 @@ def test_serve_command_line_limits_reach_the_config(tmp_path):
     assert result.exit_code == 2 and "max_ongoing_requests (16) must be greater" in result.output
     cfg = build_config(None, {"max_request_body_bytes": parse_bytes("1MiB"), "max_stop_sequences": 2}, {})
     assert (cfg.max_request_body_bytes, cfg.max_stop_sequences) == (2**20, 2)
+
+
+@pytest.mark.parametrize("key", ["sk-tést", " sk", "sk ", "s k", "sk\n"])
+def test_api_keys_that_no_header_could_carry_are_refused(key):
+    with pytest.raises(ValidationError, match="printable ASCII"):
+        ServeConfig(api_key=key)
+    assert ServeConfig(api_key="sk-ok_123").api_key == "sk-ok_123"
