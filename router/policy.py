@@ -16,6 +16,9 @@ Load information, three sources:
   stats polls);
 * Serve's queue-length cache: the replica's ongoing requests as last reported to this router
   (includes other callers' requests; it lags for requests still in transit).
+* reservations: a replica ranked first counts the request at once, before Serve reports it sent
+  (:data:`RESERVATION_TTL_S`), so the ``n`` choices of one request, routed concurrently, spread
+  over the replicas instead of all seeing the same idle one.
 
 A replica's *load* (engine requests running or waiting; each ongoing Serve request is one engine
 request) is the larger of the two live counts, or the reported running + waiting when neither is
@@ -34,13 +37,20 @@ while another one has one, and equally loaded replicas share a burst evenly.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 LOW_KV_FRACTION = 0.05
 """A replica whose free KV blocks fall under this fraction of its pool ranks in tier 1."""
+
+RESERVATION_TTL_S = 1.0
+"""How long a replica chosen for a request counts it as load before Serve reports it sent there
+(seconds). Serve routes the ``n`` choices of one request concurrently: without reservations
+every choice would see the same idle replica and pile onto it. A reservation that Serve did not
+use (it fell back to another replica) lapses after this time."""
 
 
 def replica_key(
@@ -80,11 +90,16 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         """Serve calls this with ``request_router_kwargs``."""
         self.low_kv_fraction = low_kv_fraction
         self._outstanding: dict[ReplicaID, int] = defaultdict(int)
+        # Monotonic times at which a replica was ranked first and not yet sent that request.
+        self._reserved: dict[ReplicaID, deque[float]] = defaultdict(deque)
 
     # ---- this router's exact count of requests in flight per replica ---------------------------
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
         self._outstanding[replica_id] += 1
+        reserved = self._reserved.get(replica_id)
+        if reserved:
+            reserved.popleft()  # the request it was reserved for (or an equivalent one) is sent
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         # Serve calls this exactly once per dispatched request (finished, failed, cancelled or
@@ -96,14 +111,24 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._outstanding.pop(replica_id, None)
+        self._reserved.pop(replica_id, None)
+
+    def _num_reserved(self, replica_id: ReplicaID, now: float) -> int:
+        reserved = self._reserved.get(replica_id)
+        if not reserved:
+            return 0
+        while reserved and now - reserved[0] > RESERVATION_TTL_S:
+            reserved.popleft()
+        return len(reserved)
 
     def live_load(self, replica: RunningReplica) -> int | None:
-        """max(this router's outstanding requests, Serve's cached queue length), None if neither."""
+        """max(this router's outstanding plus reserved requests, Serve's cached queue length),
+        None if neither is known."""
         cached = self.replica_queue_len_cache.get(replica.replica_id)
-        mine = self._outstanding.get(replica.replica_id)
+        mine = self._outstanding.get(replica.replica_id, 0) + self._num_reserved(replica.replica_id, time.monotonic())
         if cached is None and not mine:
             return None
-        return max(cached or 0, mine or 0)
+        return max(cached or 0, mine)
 
     def key(self, replica: RunningReplica) -> tuple[int, int, int, int]:
         return replica_key(replica.routing_stats or {}, self.live_load(replica), self.low_kv_fraction)
@@ -114,7 +139,11 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        return rank_replicas([(self.key(r), r) for r in candidate_replicas])
+        ranks = rank_replicas([(self.key(r), r) for r in candidate_replicas])
+        if ranks:
+            # Serve tries the first group (one replica) first: count the request there at once.
+            self._reserved[ranks[0][0].replica_id].append(time.monotonic())
+        return ranks
 
 
 def rank_replicas(keyed: list[tuple[tuple[int, int, int, int], Any]]) -> list[list[Any]]:

@@ -119,3 +119,18 @@ def test_burst_of_10x_capacity_is_served_or_refused_with_429(served):
     assert counted == refused, metrics
     r = httpx.post(base + "/v1/completions", json=body("/v1/completions", False), timeout=60)
     assert r.status_code == 200 and text_of("/v1/completions", r) == expected["/v1/completions"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_fan_out_that_fits_the_total_capacity_is_served_when_idle(served, stream):
+    """n = 6 choices on an idle server: more than one replica holds (2 + 2) but within the total
+    (8). The router must spread the choices over both replicas rather than pile them onto one
+    (they are all routed before any of them reaches a replica)."""
+    for attempt in range(5):
+        r = httpx.post(
+            served.root_url + "/v1/completions",
+            json={"model": CONFIG.model_name, "prompt": "The sea is", "max_tokens": 2, "n": 6, "stream": stream, "ignore_eos": True},
+            timeout=120,
+        )
+        assert r.status_code == 200, (attempt, r.status_code, r.text[:300])
+        served.wait_idle(timeout_s=10)
