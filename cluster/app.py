@@ -103,7 +103,9 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
     # Should a BackPressureError get past the ingress's own mapping, Serve answers 429 + Retry-After
     # (its default is 503 without one).
-    options["backpressure_config"] = {"status_code": 429, "retry_after_s": 1}
+    from router.ingress import RETRY_AFTER_S
+
+    options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
     return options
 
 
@@ -122,7 +124,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from replica.deployment import LLMReplica
-    from router.ingress import OpenAIIngress
+    from router.ingress import RETRY_AFTER_S, OpenAIIngress
     from router.policy import CarpoolRequestRouter
 
     engine = config.engine
@@ -144,7 +146,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         max_ongoing_requests=max(4096, 4 * config.max_ongoing_requests),
         # Requests the proxy holds for a busy ingress, at most; past it the proxy answers 429.
         max_queued_requests=max(4096, 4 * config.max_ongoing_requests),
-        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
     ).bind(replica, config.model_dump())

@@ -22,14 +22,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.config import EngineConfig
+from replica.errors import ReplicaOverloadedError
 from replica.request import SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaOverloadedError(RuntimeError):
-    """The replica already holds ``max_num_seqs + max_waiting_requests`` requests; this one was
-    refused before anything was queued (the ingress answers 429 with ``Retry-After``)."""
 
 
 class LLMReplica:
@@ -179,7 +175,7 @@ class LLMReplica:
             "inflight": self._inflight,
             "num_requests": self._num_requests,
             "pid": os.getpid(),
-            "healthy": self.engine.is_alive and self.engine.stalled_for() <= self.config.stall_timeout_s,
+            "healthy": self.engine.is_alive and self._wedged_for() is None,
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -229,6 +225,12 @@ class LLMReplica:
         self.engine.engine.check_integrity()
         return self._stats_dict()
 
+    def _wedged_for(self) -> float | None:
+        """Seconds the engine loop has made no progress with work queued, if that is over
+        ``stall_timeout_s`` (the loop is wedged); else None."""
+        stalled = self.engine.stalled_for()
+        return stalled if stalled > self.config.stall_timeout_s else None
+
     async def check_health(self) -> None:
         """Serve's health check: the engine loop must be alive and making progress; when idle,
         blocks must add up.
@@ -239,8 +241,8 @@ class LLMReplica:
         """
         if not self.engine.is_alive:
             raise RuntimeError("engine loop is not running")
-        stalled = self.engine.stalled_for()
-        if stalled > self.config.stall_timeout_s:
+        stalled = self._wedged_for()
+        if stalled is not None:
             raise RuntimeError(
                 f"engine loop wedged: no step for {stalled:.1f} s with work queued "
                 f"(stall_timeout_s={self.config.stall_timeout_s})"

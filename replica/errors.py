@@ -12,3 +12,8 @@ class RequestFailedError(RuntimeError):
 
 class RequestAbortedError(RuntimeError):
     """The server ended this request (e.g. it is shutting down); the client may retry elsewhere."""
+
+
+class ReplicaOverloadedError(RuntimeError):
+    """The replica already holds ``max_num_seqs + max_waiting_requests`` requests; this one was
+    refused before anything was queued (the ingress answers 429 with ``Retry-After``)."""

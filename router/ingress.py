@@ -42,8 +42,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cluster.config import ServeConfig
-from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
-from replica.deployment import ReplicaOverloadedError
+from replica.errors import EngineDeadError, ReplicaOverloadedError, RequestAbortedError, RequestFailedError
 from replica.request import SamplingParams, StepOutput, TokenLogprobs
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
 
@@ -265,7 +264,7 @@ def _replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
     ``ValueError`` (the engine refused the request) → 400; a full replica
-    (:class:`~replica.deployment.ReplicaOverloadedError`) or a full handle queue (Serve's
+    (:class:`~replica.errors.ReplicaOverloadedError`) or a full handle queue (Serve's
     ``BackPressureError``) → 429 with ``Retry-After``; an internal error of the engine that ended
     this request alone (``RequestFailedError``) → 500; anything else (the replica process died,
     its engine loop stopped, the server ended the request while shutting down) → 503, so that
