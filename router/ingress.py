@@ -112,9 +112,27 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 413:
         return _error_response(_body_too_large())
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        # FastAPI's 400 for a body json.loads raised on with something other than a JSONDecodeError
+        # (those come as RequestValidationError); the cause says what.
+        return _error_response(_unparsable_body(exc.__cause__))
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return _error_response(OpenAIError(message, exc.status_code, code=code))
+    return _error_response(OpenAIError(message, exc.status_code))
+
+
+def _unparsable_body(cause: BaseException) -> OpenAIError:
+    """The 400 ``invalid_json`` for a body that ``json.loads`` refused with something other than a
+    ``JSONDecodeError``: nesting past the recursion limit (``RecursionError``), an integer past
+    Python's 4,300 digits (``ValueError``) or bytes that are not UTF-8 (``UnicodeDecodeError``)."""
+    if isinstance(cause, RecursionError):
+        reason = "it is nested too deeply"
+    elif isinstance(cause, UnicodeDecodeError):
+        reason = f"it is not UTF-8 ({cause.reason} at byte {cause.start})"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        reason = "a number has too many digits (at most 4300)"
+    else:
+        reason = type(cause).__name__
+    return OpenAIError(f"request body is not valid JSON: {reason}", code="invalid_json")
 
 
 def _is_json(content_type: str) -> bool:
@@ -133,7 +151,7 @@ def _body_too_large() -> OpenAIError:
 def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     """Turn pydantic/FastAPI validation errors into one 400 naming the first bad field."""
     if not errors:
-        return OpenAIError("invalid request body")
+        return OpenAIError("invalid request body", code="invalid_body")
     first = errors[0]
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx") or {}
@@ -459,7 +477,7 @@ class OpenAIIngress:
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format", code="unsupported")
         if body.top_logprobs is not None and not body.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if body.top_logprobs is not None and body.top_logprobs > self.config.max_logprobs:
             raise OpenAIError(
                 f"top_logprobs: must be at most {self.config.max_logprobs}, got {body.top_logprobs}",
@@ -488,7 +506,7 @@ class OpenAIIngress:
         if body.logit_bias:
             raise OpenAIError("logit_bias is not supported", param="logit_bias", code="unsupported")
         if body.stream_options is not None and not body.stream:
-            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
         stops = body.stop or []
         if len(stops) > self.config.max_stop_sequences:
             raise OpenAIError(
@@ -568,7 +586,7 @@ class OpenAIIngress:
                 **kwargs,
             )
         except Exception as exc:  # jinja errors, e.g. a role the template rejects
-            raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages") from None
+            raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages", code="invalid_value") from None
         self._check_prompt_chars(text, info, "messages")
         return self._encode(text, "messages", add_special_tokens=False)
 
@@ -577,7 +595,7 @@ class OpenAIIngress:
         try:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as exc:
-            raise OpenAIError(f"{param}: the text cannot be tokenized: {exc}", param=param) from None
+            raise OpenAIError(f"{param}: the text cannot be tokenized: {exc}", param=param, code="invalid_value") from None
 
     def _prepare(
         self,

@@ -32,6 +32,20 @@ MAX_LOGPROBS = 20  # the engine's cap (SamplingParams.MAX_LOGPROBS); the server'
 # the ingress.
 
 
+DEFAULT_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    429: "overloaded",
+    500: "internal_error",
+    503: "unavailable",
+}
+"""The ``code`` of an :class:`OpenAIError` raised without one, by HTTP status."""
+
+
 class OpenAIError(Exception):
     """An error the API answers with ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -40,7 +54,8 @@ class OpenAIError(Exception):
         status_code: HTTP status (4xx for the client's mistakes, 503 when no replica can serve).
         type: OpenAI's error type, e.g. ``invalid_request_error``.
         param: the offending request field (dotted path), if any.
-        code: a machine-readable code, e.g. ``model_not_found``.
+        code: a machine-readable code, e.g. ``model_not_found``; default the status's own
+            (:data:`DEFAULT_CODES`), so that no error body has a null ``code``.
     """
 
     def __init__(
@@ -56,7 +71,7 @@ class OpenAIError(Exception):
         self.status_code = status_code
         self.type = type
         self.param = param
-        self.code = code
+        self.code = code or DEFAULT_CODES.get(status_code, "invalid_request" if status_code < 500 else "internal_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

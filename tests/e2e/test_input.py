@@ -51,6 +51,8 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["code"], str) and error["code"], error  # never null, whatever the status
+    assert isinstance(error["type"], str) and error["type"], error
     if param is not None:
         assert error["param"] == param and param in error["message"], error
     if code is not None:
@@ -149,6 +151,43 @@ def test_requests_at_the_caps_are_served(served):
         model=served.model, messages=CHAT, max_tokens=2, n=3, logprobs=True, top_logprobs=5, stream=True)
     finished = [c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2]
+
+
+# ---- bodies the JSON parser refuses, and other 4xx without a field's cap -------------------------
+UNPARSABLE = [
+    # (name, raw body, words the message must contain)
+    ("deeply nested", b"[" * 30_000 + b"]" * 30_000, "nested"),  # 60 kB, under the body cap
+    ("deeply nested object", b'{"prompt": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_001, "nested"),
+    ("5000-digit integer", b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "digits"),
+    ("not UTF-8", b'{"prompt": "\xff\xfe caf\xe9", "max_tokens": 2}', "UTF-8"),
+    ("truncated", b'{"prompt": "x", ', "JSON"),
+]
+
+
+@pytest.mark.parametrize("name,raw,words", UNPARSABLE, ids=[c[0] for c in UNPARSABLE])
+def test_unparsable_bodies_give_400_with_a_code(served, name, raw, words):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(served.root_url + path, content=raw, headers={**AUTH, "content-type": "application/json"}, timeout=30)
+        error = assert_openai_error(r, 400, code="invalid_json")
+        assert words in error["message"] and error["param"] is None, error
+    still_serving(served)
+
+
+OTHER_4XX = [
+    # (name, method, path, body, status, param)
+    ("stream_options without stream", "POST", "/v1/completions", cmpl(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs"),
+    ("body not an object", "POST", "/v1/completions", [1, 2], 400, None),
+    ("unknown model", "POST", "/v1/completions", cmpl(model="gpt-4"), 404, "model"),
+    ("unknown path", "GET", "/v1/nowhere", None, 404, None),
+    ("wrong method", "GET", "/v1/completions", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status,param", OTHER_4XX, ids=[c[0] for c in OTHER_4XX])
+def test_every_4xx_has_a_code(served, name, method, path, body, status, param):
+    r = httpx.request(method, served.root_url + path, json=body, headers=AUTH, timeout=30)
+    assert_openai_error(r, status, param=param)
 
 
 # ---- content type and body size ------------------------------------------------------------------
