@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -326,6 +326,47 @@ def _stream_event(
     return event
 
 
+VIEW_TTL_S = 1.0
+"""How long the ingress trusts its last look at the replica deployment (seconds): its running
+replicas for ``/health``, and its replica bound for :meth:`OpenAIIngress._check_capacity`."""
+
+
+class _ReplicaView(NamedTuple):
+    """The replica deployment as Serve's controller reported it (:func:`_read_replica_view`)."""
+
+    checked: float  # time.monotonic() of the look
+    known: bool  # False: the controller did not answer; the fields below are then placeholders
+    running: int  # replicas in state RUNNING
+    status: str  # Serve's deployment status: HEALTHY, UPDATING, UPSCALING, DOWNSCALING, UNHEALTHY, ...
+    max_replicas: int | None  # autoscaling max_replicas, else num_replicas; None if not given
+    detail: str  # for /health
+
+
+def _read_replica_view(app_name: str, deployment_name: str) -> _ReplicaView:
+    """One look at a deployment through Serve's controller (a blocking call: run it in a thread).
+
+    Reads the controller's instance details (what ``serve.status()`` reads, in the format of
+    Serve's ``ServeInstanceDetails``), which also carry the deployment's current config, so that
+    replica counts set by a Serve config file's ``deployments`` entries count.
+
+    Raises:
+        KeyError: the application or deployment does not exist (yet); any error of the call.
+    """
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    deployment = details["applications"][app_name]["deployments"][deployment_name]
+    running = sum(1 for r in deployment.get("replicas", ()) if str(r.get("state")).rsplit(".", 1)[-1] == "RUNNING")
+    status = str(deployment["status"]).rsplit(".", 1)[-1]
+    config = deployment.get("deployment_config") or {}
+    scaling = config.get("autoscaling_config")
+    most = scaling.get("max_replicas") if scaling else config.get("num_replicas")
+    return _ReplicaView(
+        time.monotonic(), True, running, status, most if isinstance(most, int) else None,
+        f"replicas: {status} ({running} running)",
+    )
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     """Serve deployment body (options are set in :func:`cluster.app.build_app`).
@@ -354,7 +395,8 @@ class OpenAIIngress:
 
         self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
         configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
-        self._health_cache: tuple[float, bool, str] = (0.0, False, "not checked yet")
+        self._view: _ReplicaView | None = None  # the replica deployment, see _replica_view
+        self._view_task: asyncio.Task | None = None  # renewing self._view
         self._ready_once = False  # every replica was up at least once (start-up is over)
         self._draining = False  # shutting down: new generation requests get 503
         self._inflight = 0  # generation requests being answered (streams until their last event)
@@ -445,9 +487,11 @@ class OpenAIIngress:
                 f"prompt: at most {caps.max_prompts_per_request} prompts per request, got {len(body.prompt)}",
                 param="prompt", code="invalid_value",
             )
-        self._check_fanout(len(body.prompt) * body.n, "prompt" if len(body.prompt) > 1 else "n")
+        fanout_param = "prompt" if len(body.prompt) > 1 else "n"
+        self._check_fanout(len(body.prompt) * body.n, fanout_param)
         if body.logprobs is not None and body.logprobs > caps.max_logprobs:
             raise OpenAIError(f"logprobs: must be at most {caps.max_logprobs}, got {body.logprobs}", param="logprobs", code="invalid_value")
+        await self._check_capacity(len(body.prompt) * body.n, fanout_param)
         info = await self._model_info()
         prompts, texts = [], []
         for i, p in enumerate(body.prompt):
@@ -484,6 +528,7 @@ class OpenAIIngress:
                 param="top_logprobs", code="invalid_value",
             )
         self._check_fanout(body.n, "n")
+        await self._check_capacity(body.n, "n")
         info = await self._model_info()
         ids = await asyncio.to_thread(self._apply_chat_template, body, info)
         self._check_prompt(ids, info, "messages")
@@ -663,26 +708,75 @@ class OpenAIIngress:
                 raise _replica_error(exc) from None
         return self._info
 
-    async def _replicas_healthy(self) -> tuple[bool, str]:
-        now = time.monotonic()
-        checked, ok, detail = self._health_cache
-        if now - checked < 1.0:
-            return ok, detail
+    async def _replica_view(self, fresh: bool = False) -> "_ReplicaView":
+        """The ``LLMReplica`` deployment as Serve's controller last reported it.
+
+        A view younger than :data:`VIEW_TTL_S` is returned as is. An older one is renewed by one
+        controller call in a worker thread, shared by every caller that asks meanwhile: the
+        caller waits for it if ``fresh`` or if there is no view yet, and otherwise gets the last
+        view at once while the new one is taken in the background. So a request adds no round
+        trip while the deployment serves.
+        """
+        view = self._view
+        if view is not None and time.monotonic() - view.checked < VIEW_TTL_S:
+            return view
+        if self._view_task is None:
+            self._view_task = asyncio.create_task(self._renew_view())
+        if view is None or fresh:
+            return await asyncio.shield(self._view_task)
+        return view
+
+    async def _renew_view(self) -> "_ReplicaView":
         try:
-            status = await asyncio.to_thread(serve.status)
-            context = serve.get_replica_context()
-            deployment = status.applications[context.app_name].deployments["LLMReplica"]
-            running = deployment.replica_states.get("RUNNING", 0)
-            # UPSCALING/DOWNSCALING: an autoscaled deployment whose running replicas serve.
-            serving = str(deployment.status).rsplit(".", 1)[-1] in ("HEALTHY", "UPSCALING", "DOWNSCALING")
-            self._ready_once = self._ready_once or (serving and running > 0)
-            # After start-up, one running replica is enough to serve while Serve replaces others.
-            ok = running > 0 and (serving or self._ready_once)
-            detail = f"replicas: {deployment.status} ({running} running)"
-        except Exception as exc:
-            ok, detail = False, f"status unavailable: {exc!r}"
-        self._health_cache = (now, ok, detail)
-        return ok, detail
+            view = await asyncio.to_thread(_read_replica_view, serve.get_replica_context().app_name, self.replica.deployment_name)
+        except Exception as exc:  # the controller did not answer: nothing is known
+            view = _ReplicaView(time.monotonic(), False, 0, "UNKNOWN", None, f"status unavailable: {exc!r}")
+        finally:
+            self._view_task = None
+        self._view = view
+        return view
+
+    async def _replicas_healthy(self) -> tuple[bool, str]:
+        """``/health``: (ok, detail) from a view at most :data:`VIEW_TTL_S` old."""
+        view = await self._replica_view(fresh=True)
+        if not view.known:
+            return False, view.detail
+        # UPSCALING/DOWNSCALING: an autoscaled deployment whose running replicas serve.
+        serving = view.status in ("HEALTHY", "UPSCALING", "DOWNSCALING")
+        self._ready_once = self._ready_once or (serving and view.running > 0)
+        # After start-up, one running replica is enough to serve while Serve replaces others.
+        return view.running > 0 and (serving or self._ready_once), view.detail
+
+    async def _check_capacity(self, choices: int, param: str) -> None:
+        """Refuse with 400 a request of more choices (prompts x ``n``, one replica request each)
+        than the whole deployment can ever hold at once: its most replicas (autoscaling
+        ``max_replicas``, else ``num_replicas``, as Serve's controller holds them, so a Serve
+        config's overrides count) x (``max_num_seqs`` + ``max_waiting_requests``). Such a request
+        would otherwise draw a 429 on every retry.
+
+        A request that one replica can hold costs nothing here; for a larger one the replica
+        count comes from :meth:`_replica_view`. If it is unknown nothing is refused (the replicas
+        then answer 429 as usual).
+
+        Raises:
+            OpenAIError: 400 ``invalid_value`` naming ``param`` (``n``, or ``prompt`` for a list
+                of prompts), with the limit in the message.
+        """
+        seats, waiting = self.config.engine.max_num_seqs, self.config.max_waiting_requests
+        if choices <= seats + waiting:
+            return
+        replicas = (await self._replica_view()).max_replicas
+        if replicas is None:
+            return
+        capacity = replicas * (seats + waiting)
+        if choices > capacity:
+            raise OpenAIError(
+                f"{param}: the request asks for {choices} choices (prompts x n), more than the "
+                f"{capacity} requests this server can ever hold at once ({replicas} replicas x "
+                f"({seats} max_num_seqs + {waiting} max_waiting_requests)); a retry cannot succeed, "
+                f"ask for at most {capacity}",
+                param=param, code="invalid_value",
+            )
 
     # ---- running on the replicas -------------------------------------------------------------
     async def _open_streams(self, prepared: _Prepared) -> list[tuple[int, Any]]:

@@ -134,3 +134,27 @@ def test_fan_out_that_fits_the_total_capacity_is_served_when_idle(served, stream
         )
         assert r.status_code == 200, (attempt, r.status_code, r.text[:300])
         served.wait_idle(timeout_s=10)
+
+
+BEYOND = [  # (path, body, param): more choices than REPLICAS x (SEATS + WAITING) = CAPACITY
+    ("/v1/completions", {"prompt": "The sea is", "n": CAPACITY + 1}, "n"),
+    ("/v1/completions", {"prompt": "The sea is", "n": CAPACITY + 1, "stream": True}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, "prompt"),  # 9 choices
+    ("/v1/chat/completions", {"messages": CHAT, "n": CAPACITY + 1}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": CAPACITY + 1, "stream": True}, "n"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", BEYOND, ids=[f"{p} {b.get('stream', False)} {q}" for p, b, q in BEYOND])
+def test_more_choices_than_the_deployment_can_hold_is_a_400(served, path, extra, param):
+    """Prompts x n above what every replica together can hold (8) can never be admitted: a 400
+    naming the field and giving the limit, not a 429 that no retry could get past. Nothing
+    reaches a replica."""
+    before = [s["num_requests"] for s in served.stats()]
+    r = httpx.post(served.root_url + path, json={"model": CONFIG.model_name, "max_tokens": 2, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "invalid_value" and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"{param}: ") and f"at most {CAPACITY}" in error["message"], error
+    assert "retry-after" not in r.headers
+    assert [s["num_requests"] for s in served.stats()] == before
