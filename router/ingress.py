@@ -49,7 +49,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIErro
 logger = logging.getLogger(__name__)
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
-RETRY_AFTER_S = 1  # the Retry-After of a 429 (seconds)
+RETRY_AFTER_S = 1  # the Retry-After of a 429 or 503 (seconds)
 
 app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
 
@@ -80,12 +80,12 @@ def configure(api_key: str | None, max_request_body_bytes: int | None, metrics) 
 
 # ---- errors ------------------------------------------------------------------------------------
 def _error_response(err: OpenAIError) -> JSONResponse:
-    """The JSON response of an error (``WWW-Authenticate`` on 401, ``Retry-After`` on 429),
-    counted in ``carpool:http_requests_rejected_total``."""
+    """The JSON response of an error (``WWW-Authenticate`` on 401, ``Retry-After`` on 429 and
+    503), counted in ``carpool:http_requests_rejected_total``."""
     headers = None
     if err.status_code == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    elif err.status_code == 429:
+    elif err.status_code in (429, 503):
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     if _guard.metrics is not None:
         _guard.metrics.on_rejected(err.status_code, err.code)
@@ -367,6 +367,16 @@ def _read_replica_view(app_name: str, deployment_name: str) -> _ReplicaView:
     )
 
 
+SERVING_STATUSES = ("HEALTHY", "UPSCALING", "DOWNSCALING")
+"""Serve deployment statuses of a deployment that is where it should be (UPSCALING/DOWNSCALING:
+autoscaled, its running replicas serve meanwhile)."""
+
+
+def _unavailable(view: _ReplicaView) -> bool:
+    """No replica can serve: none running, and the deployment is not merely scaled to zero."""
+    return view.known and view.running == 0 and view.status not in SERVING_STATUSES
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     """Serve deployment body (options are set in :func:`cluster.app.build_app`).
@@ -491,6 +501,7 @@ class OpenAIIngress:
         self._check_fanout(len(body.prompt) * body.n, fanout_param)
         if body.logprobs is not None and body.logprobs > caps.max_logprobs:
             raise OpenAIError(f"logprobs: must be at most {caps.max_logprobs}, got {body.logprobs}", param="logprobs", code="invalid_value")
+        await self._check_available()
         await self._check_capacity(len(body.prompt) * body.n, fanout_param)
         info = await self._model_info()
         prompts, texts = [], []
@@ -528,6 +539,7 @@ class OpenAIIngress:
                 param="top_logprobs", code="invalid_value",
             )
         self._check_fanout(body.n, "n")
+        await self._check_available()
         await self._check_capacity(body.n, "n")
         info = await self._model_info()
         ids = await asyncio.to_thread(self._apply_chat_template, body, info)
@@ -741,11 +753,33 @@ class OpenAIIngress:
         view = await self._replica_view(fresh=True)
         if not view.known:
             return False, view.detail
-        # UPSCALING/DOWNSCALING: an autoscaled deployment whose running replicas serve.
-        serving = view.status in ("HEALTHY", "UPSCALING", "DOWNSCALING")
+        serving = view.status in SERVING_STATUSES
         self._ready_once = self._ready_once or (serving and view.running > 0)
         # After start-up, one running replica is enough to serve while Serve replaces others.
         return view.running > 0 and (serving or self._ready_once), view.detail
+
+    async def _check_available(self) -> None:
+        """Refuse a generation request at once while no replica can serve: the replica deployment
+        has no running replica and Serve does not report it as healthy or scaling (its replicas
+        died or failed their health checks and are being replaced, or it is still starting).
+        Otherwise the request would wait in the handle's queue until a replica is back.
+
+        A deployment at zero replicas that Serve reports healthy or scaling (autoscaling with
+        ``min_replicas: 0``) is not refused: its request starts a replica. Uses
+        :meth:`_replica_view`; a view that says "unavailable" is renewed first if it is older than
+        :data:`VIEW_TTL_S`, so only a current view refuses. An unknown view refuses nothing.
+
+        Raises:
+            OpenAIError: 503 ``unavailable`` (with ``Retry-After``).
+        """
+        view = await self._replica_view()
+        if _unavailable(view):
+            view = await self._replica_view(fresh=True)
+        if _unavailable(view):
+            raise OpenAIError(
+                f"no replica can serve right now ({view.detail}); retry in a moment",
+                503, type="service_unavailable_error", code="unavailable",
+            )
 
     async def _check_capacity(self, choices: int, param: str) -> None:
         """Refuse with 400 a request of more choices (prompts x ``n``, one replica request each)

@@ -6,7 +6,8 @@
 * Both engine loops wedged (fault injection: ``EngineConfig.enable_fault_injection`` lets
   ``LLMReplica.inject_stall(s)`` put the loop thread to sleep for ``s`` seconds in its next step):
   once no step has finished for ``stall_timeout_s`` with work queued, the health check fails, Serve
-  replaces both replicas, ``/health`` answers 503 while none can serve and 200 again afterwards.
+  replaces both replicas, ``/health`` answers 503 while none can serve and 200 again afterwards;
+  meanwhile a new generation request gets a JSON 503 (``unavailable``, ``Retry-After``) at once.
 """
 
 from __future__ import annotations
@@ -162,6 +163,25 @@ def test_a_killed_replica_is_replaced_and_its_clients_get_a_503(app):
     assert_replaced_replicas_idle(served, old_pids)
 
 
+UNAVAILABLE_PROBES = [  # (path, body) sent while no replica can serve
+    ("/completions", {"prompt": "Once upon a time", "max_tokens": 4}),
+    ("/completions", {"prompt": "Once upon a time", "max_tokens": 4, "stream": True}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}),
+]
+
+
+def refused_while_unavailable(served) -> list[tuple[int, dict, dict, float]]:
+    """Send each of :data:`UNAVAILABLE_PROBES`; returns (status, headers, error, seconds) each."""
+    out = []
+    for path, body in UNAVAILABLE_PROBES:
+        started = time.monotonic()
+        r = httpx.post(served.base_url + path, json={"model": served.model, **body}, timeout=60)
+        took = time.monotonic() - started
+        error = r.json().get("error", {}) if r.headers.get("content-type", "").startswith("application/json") else {}
+        out.append((r.status_code, dict(r.headers), error, took))
+    return out
+
+
 def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     from ray import serve
 
@@ -172,11 +192,12 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     results: list = []
     threads = [start(stream_request, served, 20, results) for _ in range(4)]
     wedged = time.monotonic()
-    codes, first_503 = [], None
+    codes, first_503, refused = [], None, []
     while time.monotonic() - wedged < WEDGE_RECOVERY_S:
         codes.append(httpx.get(served.root_url + "/health", timeout=10).status_code)
         if codes[-1] == 503 and first_503 is None:
             first_503 = time.monotonic() - wedged
+            refused = refused_while_unavailable(served)
         if first_503 is not None and codes[-1] == 200:
             break
         time.sleep(0.2)
@@ -191,7 +212,15 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     for r in results:
         assert r == ("done", "length") or (r[0] == "error" and r[1]["code"] == "unavailable"), r
     assert any(r[0] == "error" for r in results), results
+    # While /health said 503, new generation requests were refused at once with a JSON 503,
+    # instead of waiting in Serve's queue for the replacements.
+    assert len(refused) == len(UNAVAILABLE_PROBES), refused
+    for (path, body), (status, headers, error, took) in zip(UNAVAILABLE_PROBES, refused):
+        assert status == 503 and error["code"] == "unavailable", (path, body, status, error)
+        assert error["type"] == "service_unavailable_error" and error["param"] is None, error
+        assert int(headers["retry-after"]) >= 1 and took < 3.0, (path, body, headers, took)
     recovered = wait_full_capacity(served, old_pids, wedged, WEDGE_RECOVERY_S)
     print(f"\nwedged loops: /health 503 from {first_503:.1f} s, 200 again after {healthy_again:.1f} s; "
-          f"full capacity after {recovered:.1f} s; in-flight: {results}")
+          f"full capacity after {recovered:.1f} s; in-flight: {results}; refused meanwhile in "
+          f"{max(r[3] for r in refused):.2f} s at most")
     assert_replaced_replicas_idle(served, old_pids)
