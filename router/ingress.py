@@ -15,6 +15,9 @@ or wrong API key, 404 for an unknown model or path, 413 for a body over ``max_re
 size are checked by :class:`RequestGuard` before routing; every error response is counted in
 ``carpool:http_requests_rejected_total``.
 
+A choice whose replica died (or whose engine loop died) before its first delta reached the
+client is started again, once, on another replica.
+
 When the HTTP client goes away mid-stream, Serve cancels this handler; the ``finally`` blocks
 cancel every replica stream of the request, and each replica aborts its engine request.
 """
@@ -28,12 +31,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import Headers
@@ -311,9 +316,42 @@ def _replica_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(detail, 503, type="service_unavailable_error", code="unavailable")
 
 
-def _cancel_all(streams: list[tuple[int, Any]]) -> None:
-    for _, gen in streams:
-        gen.cancel()  # no-op for a finished stream
+class _ChoiceStream:
+    """One choice's replica stream (``LLMReplica.generate`` through the streaming handle), with
+    what it takes to start the choice again on another replica (:meth:`OpenAIIngress._restart`).
+
+    Attributes:
+        index: the choice index (``prompt_index * n + j``).
+        request_id: the replica request id (``-retry`` appended for the second attempt).
+        prompt: the prompt's token ids.
+        params: the choice's sampling parameters.
+        gen: the current ``DeploymentResponseGenerator``.
+        retried: the choice was already started again once.
+    """
+
+    __slots__ = ("index", "request_id", "prompt", "params", "gen", "retried")
+
+    def __init__(self, index: int, request_id: str, prompt: list[int], params: SamplingParams, gen: Any) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.gen = gen
+        self.retried = False
+
+
+def _cancel_all(streams: list[_ChoiceStream]) -> None:
+    for s in streams:
+        s.gen.cancel()  # no-op for a finished stream
+
+
+def _replica_gone(exc: BaseException) -> bool:
+    """True for the failures after which another replica may serve the request from scratch: the
+    replica process died or cannot be reached (Ray's ``ActorDiedError``/``ActorUnavailableError``,
+    both ``RayActorError``), or its engine loop died (:class:`~replica.errors.EngineDeadError`),
+    raised as is or inside a ``RayTaskError``."""
+    gone = (RayActorError, EngineDeadError)
+    return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
 
 
 def _stream_event(
@@ -813,20 +851,26 @@ class OpenAIIngress:
             )
 
     # ---- running on the replicas -------------------------------------------------------------
-    async def _open_streams(self, prepared: _Prepared) -> list[tuple[int, Any]]:
+    async def _open_streams(self, prepared: _Prepared) -> list[_ChoiceStream]:
         """Fan the request out (one replica stream per choice) and wait until every replica has
         admitted its part, so that a refusal is an HTTP status (429 when a replica is full), not
-        an error event in a stream that has already begun. Returns ``(choice index, stream)``.
+        an error event in a stream that has already begun. A choice whose replica is gone before
+        admitting it is started again once elsewhere (:meth:`_may_retry`).
 
         Raises :class:`OpenAIError`; then, or if this call is cancelled, every stream is cancelled.
         """
         streams = []
         for index, _, ids, params in prepared.jobs():
             rid = f"{prepared.request_id}-{index}"
-            streams.append((index, self.stream_handle.generate.remote(rid, ids, params, True)))
+            streams.append(_ChoiceStream(index, rid, ids, params, self.stream_handle.generate.remote(rid, ids, params, True)))
         try:
-            for _, gen in streams:
-                await gen.__anext__()  # the replica's admission (None)
+            for s in streams:
+                try:
+                    await s.gen.__anext__()  # the replica's admission (None)
+                except Exception as exc:
+                    if not await self._may_retry(s, exc):
+                        raise
+                    await self._restart(s, exc)
         except BaseException as exc:
             _cancel_all(streams)
             if isinstance(exc, Exception):
@@ -834,31 +878,68 @@ class OpenAIIngress:
             raise
         return streams
 
-    async def _stream_choices(self, streams: list[tuple[int, Any]]) -> AsyncIterator[tuple[int, StepOutput]]:
-        """Yield ``(choice index, delta)`` from the admitted streams (:meth:`_open_streams`) as
-        deltas arrive. Closing this generator cancels every replica request still running."""
-        if len(streams) == 1:
-            index, gen = streams[0]
+    async def _may_retry(self, s: _ChoiceStream, exc: BaseException) -> bool:
+        """Whether a choice that failed with ``exc`` before its first delta may start again:
+        its replica is gone (:func:`_replica_gone`), it has not been retried yet, and some
+        replica can serve (otherwise the retry would only wait in Serve's queue)."""
+        return not s.retried and _replica_gone(exc) and not _unavailable(await self._replica_view())
+
+    async def _restart(self, s: _ChoiceStream, exc: BaseException) -> None:
+        """Start choice ``s`` again (the second and last time) and wait for its admission. Serve's
+        router has marked the dead replica as such, so another one takes it.
+
+        Raises what the new admission raises."""
+        s.gen.cancel()
+        s.retried = True
+        s.request_id += "-retry"
+        logger.warning("replica gone before the first token of %s (%r): starting it again on another replica", s.request_id, exc)
+        s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
+        await s.gen.__anext__()
+
+    async def _deltas(self, s: _ChoiceStream) -> AsyncIterator[StepOutput]:
+        """The deltas of one admitted choice. If its replica is gone before the first delta (so
+        nothing of this choice has reached the client), the choice starts again once on another
+        replica and its deltas follow from there."""
+        started = False
+        while True:
             try:
-                async for delta in gen:
-                    yield index, delta
+                async for delta in s.gen:
+                    started = True
+                    yield delta
+                return
+            except Exception as exc:
+                if started or not await self._may_retry(s, exc):
+                    raise
+                await self._restart(s, exc)
+
+    async def _stream_choices(self, streams: list[_ChoiceStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+        """Yield ``(choice index, delta)`` from the admitted streams (:meth:`_open_streams`) as
+        deltas arrive (:meth:`_deltas`). Closing this generator cancels every replica request
+        still running."""
+        if len(streams) == 1:
+            s = streams[0]
+            try:
+                async with aclosing(self._deltas(s)) as deltas:
+                    async for delta in deltas:
+                        yield s.index, delta
             finally:
-                gen.cancel()
+                s.gen.cancel()
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(index: int, gen) -> None:
+        async def pump(s: _ChoiceStream) -> None:
             try:
-                async for delta in gen:
-                    queue.put_nowait((index, delta))
-                queue.put_nowait((index, done))
+                async with aclosing(self._deltas(s)) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((s.index, delta))
+                queue.put_nowait((s.index, done))
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # delivered to the consumer
-                queue.put_nowait((index, exc))
+                queue.put_nowait((s.index, exc))
 
-        tasks = [asyncio.create_task(pump(index, gen)) for index, gen in streams]
+        tasks = [asyncio.create_task(pump(s)) for s in streams]
         remaining = len(tasks)
         try:
             while remaining:
@@ -872,26 +953,40 @@ class OpenAIIngress:
         finally:
             for task in tasks:
                 task.cancel()
-            for _, gen in streams:
-                gen.cancel()
+            _cancel_all(streams)
 
     async def _run_all(self, prepared: _Prepared) -> list[_Choice]:
         """Non-streaming: one ``generate_all`` call per choice (one message back, not one per
-        token). If this handler is cancelled (client gone), the calls are cancelled too."""
+        token). A choice whose replica is gone is started again once on another replica (nothing
+        of it has reached the client). If this handler is cancelled (client gone), or one choice
+        fails, the calls are cancelled too."""
         jobs = prepared.jobs()
+
+        async def run(index: int, ids: list[int], params: SamplingParams) -> StepOutput:
+            s = _ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None)
+            while True:
+                s.gen = self.replica.generate_all.remote(s.request_id, ids, params)
+                try:
+                    return await s.gen
+                except Exception as exc:
+                    if not await self._may_retry(s, exc):
+                        raise
+                    s.retried = True
+                    s.request_id += "-retry"
+                    logger.warning("replica gone under %s (%r): starting it again on another replica", s.request_id, exc)
+                finally:
+                    s.gen.cancel()  # no-op once finished
+
         self._inflight += 1
-        responses = [
-            self.replica.generate_all.remote(f"{prepared.request_id}-{index}", ids, params)
-            for index, _, ids, params in jobs
-        ]
+        tasks = [asyncio.create_task(run(index, ids, params)) for index, _, ids, params in jobs]
         try:
-            outputs = await asyncio.gather(*responses)
+            outputs = await asyncio.gather(*tasks)
         except Exception as exc:
             raise _replica_error(exc) from None
         finally:
             self._inflight -= 1
-            for response in responses:
-                response.cancel()  # no-op for the finished ones
+            for task in tasks:
+                task.cancel()  # no-op for the finished ones
         choices = []
         for (index, p, _, _), output in zip(jobs, outputs):
             choice = _Choice(index, p)
@@ -996,7 +1091,7 @@ class OpenAIIngress:
 
         return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _guarded(self, streams: list[tuple[int, Any]]) -> AsyncIterator[tuple[int, StepOutput]]:
+    async def _guarded(self, streams: list[_ChoiceStream]) -> AsyncIterator[tuple[int, StepOutput]]:
         """Like ``_stream_choices``, but replica errors become one OpenAI error event."""
         try:
             async for item in self._stream_choices(streams):
@@ -1005,7 +1100,7 @@ class OpenAIIngress:
             raise _StreamError(_replica_error(exc)) from None
 
     async def _completion_stream(
-        self, prepared: _Prepared, body: CompletionRequest, streams: list[tuple[int, Any]]
+        self, prepared: _Prepared, body: CompletionRequest, streams: list[_ChoiceStream]
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             return _stream_event(prepared, "text_completion", choices, usage)
@@ -1044,7 +1139,7 @@ class OpenAIIngress:
             _cancel_all(streams)
 
     async def _chat_stream(
-        self, prepared: _Prepared, body: ChatCompletionRequest, streams: list[tuple[int, Any]]
+        self, prepared: _Prepared, body: ChatCompletionRequest, streams: list[_ChoiceStream]
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
             return _stream_event(prepared, "chat.completion.chunk", choices, usage)

@@ -1,7 +1,8 @@
 """Replica failures under load, against a real served app with 2 replicas.
 
-* A replica process killed with SIGKILL while it streams: its clients get an OpenAI-style 503
-  (an error event then ``[DONE]`` for streams, a JSON body otherwise) instead of a hang; new
+* A replica process killed with SIGKILL while it streams: its streams that have sent text get an
+  OpenAI-style 503 (an error event then ``[DONE]``) instead of a hang; its requests that had sent
+  nothing yet (waiting for a seat) are started again on the live replica and succeed; new
   requests go to the live replica; Serve starts a new replica and both serve again within 60 s.
 * Both engine loops wedged (fault injection: ``EngineConfig.enable_fault_injection`` lets
   ``LLMReplica.inject_stall(s)`` put the loop thread to sleep for ``s`` seconds in its next step):
@@ -24,7 +25,7 @@ import pytest
 from cluster.config import EngineConfig, ServeConfig
 
 ENGINE = EngineConfig(
-    dtype="bfloat16", max_num_seqs=8, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True
+    dtype="bfloat16", max_num_seqs=4, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True
 )
 CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)
 RECOVERY_S = 60.0  # a killed replica: back to full capacity within this
@@ -117,48 +118,95 @@ def assert_replaced_replicas_idle(served, old_pids: set[int]) -> None:
     ray.get([a.check_health.remote() for a in served.replica_actors()], timeout=30)
 
 
-def test_a_killed_replica_is_replaced_and_its_clients_get_a_503(app):
+def tracked_stream(served, max_tokens: int, probe: dict, timeout: float = 120) -> None:
+    """A streamed completion that records in ``probe`` the monotonic time of its first text
+    (``first_token``) and its ``outcome``: ``("done", finish_reason)``, ``("error", error)``,
+    ``("status", code, body)`` or ``("exception", repr)``."""
+    body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    probe["first_token"] = None
+    try:
+        with httpx.stream("POST", served.base_url + "/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                probe["outcome"] = ("status", r.status_code, r.read().decode())
+                return
+            events = []
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if probe["first_token"] is None and events[-1] != "[DONE]":
+                    event = json.loads(events[-1])
+                    if event.get("choices") and event["choices"][0].get("text"):
+                        probe["first_token"] = time.monotonic()
+        assert events[-1] == "[DONE]", events[-3:]
+        last = json.loads(events[-2])
+        probe["outcome"] = ("error", last["error"]) if "error" in last else ("done", last["choices"][0]["finish_reason"])
+    except Exception as exc:  # a transport error is a failure of the test, recorded as such
+        probe["outcome"] = ("exception", repr(exc))
+
+
+def wait_for(served, condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {replica_stats(served)}"
+        time.sleep(0.05)
+
+
+def test_a_killed_replica_is_replaced_its_queued_requests_retried_and_its_started_streams_get_a_503(app):
+    """Every seat of both replicas holds a stream that has sent text; more requests wait behind
+    them on both replicas; one replica is killed. Its started streams end with a 503 error event
+    (their text cannot be taken back). Its waiting requests had sent nothing to their clients:
+    the ingress starts them again on the live replica and they succeed, streamed or not. New
+    requests right after the kill are served too (one that meets the dead replica is retried)."""
     served = app
     assert httpx.get(served.root_url + "/health", timeout=10).status_code == 200
-    results: list = []
-    threads = [start(stream_request, served, 150, results) for _ in range(6)]
-    threads += [start(plain_request, served, 150, results) for _ in range(4)]
-    deadline = time.monotonic() + 30
-    while not all(s["num_running"] > 0 for s in (replica_stats(served) or [{"num_running": 0}])):
-        assert time.monotonic() < deadline, replica_stats(served)
-        time.sleep(0.05)
-    stats = served.stats()
-    victim = stats[0]
+    seats = ENGINE.max_num_seqs
+    running = [{} for _ in range(2 * seats)]  # one per seat
+    threads = [start(tracked_stream, served, 200, probe) for probe in running]
+    wait_for(served, lambda: all(p.get("first_token") for p in running), "every seat to stream text")
+    queued_streams = [{} for _ in range(4)]
+    queued_plain: list = []
+    threads += [start(tracked_stream, served, 20, probe) for probe in queued_streams]
+    threads += [start(plain_request, served, 20, queued_plain) for _ in range(2)]
+
+    def seats_full_and_waiting() -> bool:
+        stats = replica_stats(served)
+        return len(stats) == 2 and all(s["num_running"] == seats and s["num_waiting"] >= 2 for s in stats)
+
+    wait_for(served, seats_full_and_waiting, "full seats and requests waiting on both replicas")
+    victim = served.stats()[0]
     old_pids = {victim["pid"]}
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
 
-    # New requests right after the kill: routed to the live replica (or refused with a 503, never a hang).
+    # New requests right after the kill: served by the live replica (retried if they met the dead one).
     after: list = []
     while time.monotonic() - killed < 8:
-        plain_request(served, 2, after, timeout=30)
+        plain_request(served, 2, after, timeout=60)
     for t in threads:
-        t.join(90)
+        t.join(120)
     assert not any(t.is_alive() for t in threads), "a request hung"
 
-    assert not [r for r in results + after if r[0] == "exception"], results + after
-    streams = [r for r in results if r[0] in ("done", "error")]
-    plains = [r for r in results if r[0] == "status"]
-    assert len(streams) == 6 and len(plains) == 4
-    failed = [r for r in streams if r[0] == "error"] + [r for r in plains if r[1] != 200]
-    assert failed, "the killed replica had requests in flight, they must fail"
-    assert len(failed) < len(results), "the live replica's requests must finish"
-    for r in streams:
-        assert r == ("done", "length") or (r[0] == "error" and r[1]["code"] == "unavailable"), r
-    for r in plains:
-        assert r[1] == 200 or (r[1] == 503 and r[2]["error"]["code"] == "unavailable"), r
-    ok_after = [r for r in after if r[1] == 200]
-    assert len(ok_after) >= len(after) - 1, after  # at most the one that found the dead replica first
-    assert all(r[1] in (200, 503) for r in after), after
+    streams = running + queued_streams
+    assert all("outcome" in p for p in streams), streams
+    assert not [p for p in streams if p["outcome"][0] in ("exception", "status")], streams
+    assert not [r for r in queued_plain + after if r[0] == "exception"], queued_plain + after
+    for p in streams:
+        assert p["outcome"] == ("done", "length") or (p["outcome"][0] == "error" and p["outcome"][1]["code"] == "unavailable"), p
+    # Only streams that had sent text before the kill may fail; those are the victim's seats.
+    failed = [p for p in streams if p["outcome"][0] == "error"]
+    assert 1 <= len(failed) <= seats, streams
+    assert all(p["first_token"] is not None and p["first_token"] < killed for p in failed), failed
+    # Everything that waited behind them, streamed or not, was served (the victim's part retried).
+    assert all(p["outcome"] == ("done", "length") for p in queued_streams), queued_streams
+    assert len(queued_plain) == 2 and all(r[1] == 200 for r in queued_plain), queued_plain
+    assert after and all(r[1] == 200 for r in after), after
 
     recovered = wait_full_capacity(served, old_pids, killed)
-    print(f"\nkilled replica: {len(failed)} of {len(results)} in-flight requests got a 503, "
-          f"{len(ok_after)}/{len(after)} new requests served in the 8 s after the kill, "
+    print(f"\nkilled replica: {len(failed)} of {len(running)} started streams got a 503; the "
+          f"{len(queued_streams) + len(queued_plain)} waiting requests were all served; "
+          f"{len(after)} new requests served in the 8 s after the kill; "
           f"both replicas serving again {recovered:.1f} s after the kill")
     assert_replaced_replicas_idle(served, old_pids)
 
