@@ -340,9 +340,24 @@ class _ChoiceStream:
         self.retried = False
 
 
+def _cancel(response: Any) -> None:
+    """Cancel a handle call (a ``DeploymentResponse`` or ``DeploymentResponseGenerator``); a no-op
+    for a finished one.
+
+    Serve's ``cancel()`` raises the error of a call that never reached a replica (e.g.
+    ``BackPressureError`` when the handle's queue was full): there is nothing to cancel then, and
+    that error has already been answered (429), so it must not escape a cleanup path and reach
+    Serve's own plain-text handler.
+    """
+    try:
+        response.cancel()
+    except Exception:
+        pass
+
+
 def _cancel_all(streams: list[_ChoiceStream]) -> None:
     for s in streams:
-        s.gen.cancel()  # no-op for a finished stream
+        _cancel(s.gen)
 
 
 def _replica_gone(exc: BaseException) -> bool:
@@ -889,7 +904,7 @@ class OpenAIIngress:
         router has marked the dead replica as such, so another one takes it.
 
         Raises what the new admission raises."""
-        s.gen.cancel()
+        _cancel(s.gen)
         s.retried = True
         s.request_id += "-retry"
         logger.warning("replica gone before the first token of %s (%r): starting it again on another replica", s.request_id, exc)
@@ -923,7 +938,7 @@ class OpenAIIngress:
                     async for delta in deltas:
                         yield s.index, delta
             finally:
-                s.gen.cancel()
+                _cancel(s.gen)
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
@@ -975,7 +990,7 @@ class OpenAIIngress:
                     s.request_id += "-retry"
                     logger.warning("replica gone under %s (%r): starting it again on another replica", s.request_id, exc)
                 finally:
-                    s.gen.cancel()  # no-op once finished
+                    _cancel(s.gen)
 
         self._inflight += 1
         tasks = [asyncio.create_task(run(index, ids, params)) for index, _, ids, params in jobs]

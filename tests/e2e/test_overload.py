@@ -158,3 +158,38 @@ def test_more_choices_than_the_deployment_can_hold_is_a_400(served, path, extra,
     assert error["message"].startswith(f"{param}: ") and f"at most {CAPACITY}" in error["message"], error
     assert "retry-after" not in r.headers
     assert [s["num_requests"] for s in served.stats()] == before
+
+
+FLOOD = 300  # far over the handle's queue bound (REPLICAS x (SEATS + WAITING) + 64 = 72)
+
+
+def test_a_flood_far_over_every_queue_is_refused_with_json_429_only(served):
+    """300 concurrent requests of one token, all kinds: each one is served (200) or refused with
+    an OpenAI JSON 429 ``overloaded`` and ``Retry-After``, wherever it was refused (replica full,
+    Serve's handle queue full, the ingress's own queue); never a 5xx, never Serve's plain text."""
+    base = served.root_url
+
+    async def flood() -> list[httpx.Response | BaseException]:
+        limits = httpx.Limits(max_connections=FLOOD, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=90, limits=limits) as client:
+            kinds = [KINDS[i % len(KINDS)] for i in range(FLOOD)]
+            return await asyncio.gather(
+                *(client.post(base + p, json={**body(p, s), "max_tokens": 1}) for p, s in kinds), return_exceptions=True
+            )
+
+    started = time.monotonic()
+    results = asyncio.run(asyncio.wait_for(flood(), timeout=150))
+    elapsed = time.monotonic() - started
+    statuses: dict[int, int] = {}
+    for r in results:
+        assert not isinstance(r, BaseException), repr(r)
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        assert r.status_code in (200, 429), (r.status_code, r.headers, r.text[:300])
+        if r.status_code == 429:
+            assert r.headers.get("content-type", "").startswith("application/json"), (r.headers, r.text[:300])
+            assert int(r.headers["retry-after"]) >= 1, r.headers
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded", error
+    print(f"\nflood: {FLOOD} requests in {elapsed:.1f}s: {statuses}")
+    assert statuses.get(200, 0) >= CAPACITY, statuses
+    served.wait_idle(timeout_s=30)
