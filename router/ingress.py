@@ -895,9 +895,12 @@ class OpenAIIngress:
 
     async def _may_retry(self, s: _ChoiceStream, exc: BaseException) -> bool:
         """Whether a choice that failed with ``exc`` before its first delta may start again:
-        its replica is gone (:func:`_replica_gone`), it has not been retried yet, and some
-        replica can serve (otherwise the retry would only wait in Serve's queue)."""
-        return not s.retried and _replica_gone(exc) and not _unavailable(await self._replica_view())
+        its replica is gone (:func:`_replica_gone`), it has not been retried yet, the server is
+        not shutting down, and some replica can serve (otherwise the retry would only wait in
+        Serve's queue)."""
+        if s.retried or self._draining or not _replica_gone(exc):
+            return False
+        return not _unavailable(await self._replica_view())
 
     async def _restart(self, s: _ChoiceStream, exc: BaseException) -> None:
         """Start choice ``s`` again (the second and last time) and wait for its admission. Serve's
