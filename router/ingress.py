@@ -340,6 +340,11 @@ class _ChoiceStream:
         self.retried = False
 
 
+def _ended_error() -> OpenAIError:
+    """A request ended because the server shuts down and its grace period is over."""
+    return OpenAIError("the server is shutting down", 503, type="service_unavailable_error", code="unavailable")
+
+
 def _cancel(response: Any) -> None:
     """Cancel a handle call (a ``DeploymentResponse`` or ``DeploymentResponseGenerator``); a no-op
     for a finished one.
@@ -462,7 +467,9 @@ class OpenAIIngress:
         self._view_task: asyncio.Task | None = None  # renewing self._view
         self._ready_once = False  # every replica was up at least once (start-up is over)
         self._draining = False  # shutting down: new generation requests get 503
+        self._ended = asyncio.Event()  # shutting down and the grace period is over
         self._inflight = 0  # generation requests being answered (streams until their last event)
+        self._opening = 0  # streamed requests waiting for their replicas' admission (_open_streams)
 
     # ---- endpoints ---------------------------------------------------------------------------
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -484,21 +491,49 @@ class OpenAIIngress:
         started), ``finished`` (completed within the grace period) and ``ended`` (cut off).
         """
         self._draining = True
-        at_start = self._inflight
+        at_start = self._busy()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self._inflight and loop.time() < deadline:
+        while self._busy() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        remaining = self._inflight
+        remaining = self._busy()
+        # Requests still waiting for a replica (in Serve's queue while none can take them: a retry
+        # after a replica died, or a request routed just before) reach no replica's abort_all.
+        self._ended.set()
         if remaining:
             logger.warning("shutdown grace period over: ending %d requests", remaining)
-            await self.replica.broadcast("abort_all", "the server is shutting down").results_async(
-                timeout_s=10.0, return_exceptions=True
-            )
+            try:
+                await self.replica.broadcast("abort_all", "the server is shutting down").results_async(
+                    timeout_s=10.0, return_exceptions=True
+                )
+            except Exception as exc:  # e.g. DeploymentUnavailableError: no replica is running
+                logger.warning("ending the requests on the replicas failed: %r", exc)
             deadline = loop.time() + 10.0
-            while self._inflight and loop.time() < deadline:
+            while self._busy() and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         return {"in_flight": at_start, "finished": at_start - remaining, "ended": remaining}
+
+    def _busy(self) -> int:
+        """Generation requests in flight (answered, or waiting for their streams' admission)."""
+        return self._inflight + self._opening
+
+    async def _unless_ended(self, awaitable: Any) -> Any:
+        """Await a handle call (an admission or a ``generate_all`` result) unless the shutdown
+        grace period ends first (:meth:`drain`): then raise 503 (the caller cancels the call).
+        A call in Serve's queue waits for a replica that may not come before the server stops."""
+        if self._ended.is_set():
+            raise _ended_error()
+        call = asyncio.ensure_future(awaitable)
+        ended = asyncio.ensure_future(self._ended.wait())
+        try:
+            await asyncio.wait((call, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            if not call.done():
+                call.cancel()
+        if call.done():
+            return call.result()
+        raise _ended_error()
 
     def _admit(self) -> None:
         if self._draining:
@@ -878,10 +913,11 @@ class OpenAIIngress:
         for index, _, ids, params in prepared.jobs():
             rid = f"{prepared.request_id}-{index}"
             streams.append(_ChoiceStream(index, rid, ids, params, self.stream_handle.generate.remote(rid, ids, params, True)))
+        self._opening += 1
         try:
             for s in streams:
                 try:
-                    await s.gen.__anext__()  # the replica's admission (None)
+                    await self._unless_ended(s.gen.__anext__())  # the replica's admission (None)
                 except Exception as exc:
                     if not await self._may_retry(s, exc):
                         raise
@@ -891,6 +927,8 @@ class OpenAIIngress:
             if isinstance(exc, Exception):
                 raise _replica_error(exc) from None
             raise
+        finally:
+            self._opening -= 1
         return streams
 
     async def _may_retry(self, s: _ChoiceStream, exc: BaseException) -> bool:
@@ -912,7 +950,7 @@ class OpenAIIngress:
         s.request_id += "-retry"
         logger.warning("replica gone before the first token of %s (%r): starting it again on another replica", s.request_id, exc)
         s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
-        await s.gen.__anext__()
+        await self._unless_ended(s.gen.__anext__())
 
     async def _deltas(self, s: _ChoiceStream) -> AsyncIterator[StepOutput]:
         """The deltas of one admitted choice. If its replica is gone before the first delta (so
@@ -985,7 +1023,7 @@ class OpenAIIngress:
             while True:
                 s.gen = self.replica.generate_all.remote(s.request_id, ids, params)
                 try:
-                    return await s.gen
+                    return await self._unless_ended(s.gen)
                 except Exception as exc:
                     if not await self._may_retry(s, exc):
                         raise

@@ -110,3 +110,99 @@ def test_sigterm_drains_then_exits(tmp_path):
     assert GRACE_S - 1 < long_["ended"] - signalled < GRACE_S + 15
     assert exited < GRACE_S + 60
     print(f"\nSIGTERM: exited with 0 after {exited:.1f} s; long stream ended {long_['ended'] - signalled:.1f} s after the signal")
+
+
+def _replica_pids(carpool_pid: int) -> list[int]:
+    """Pids of the LLMReplica processes of the Ray cluster this ``carpool serve`` started."""
+    import psutil
+
+    pids = []
+    for p in psutil.Process(carpool_pid).children(recursive=True):
+        try:
+            if "LLMReplica" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
+def _outcome(url: str, body: dict, out: list) -> None:
+    """Append ``("status", code, retry_after, error or None)`` or ``("event", error or None)`` for
+    a stream that ended with ``[DONE]``, or ``("exception", repr)``."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            if not body.get("stream") or r.status_code != 200:
+                r.read()
+                error = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else r.text
+                out.append(("status", r.status_code, r.headers.get("retry-after"), error if r.status_code != 200 else None))
+                return
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        out.append(("event", json.loads(events[-2]).get("error")))
+    except Exception as exc:
+        out.append(("exception", repr(exc)))
+
+
+def test_sigterm_while_requests_wait_for_a_dead_replica_answers_every_one(tmp_path):
+    """The only replica is killed with requests waiting on it; the ingress starts them again
+    (retry), and new requests arrive before it sees the replica gone: all of them wait in Serve's
+    queue for a replacement. SIGTERM then. Draining must not fail (no replica to tell to abort)
+    and every such request gets a JSON 503 at the end of the grace period, not a dropped
+    connection when the server stops."""
+    grace = 4
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(
+        [CARPOOL, "serve", "--replicas", "1", "--port", str(port), "--dtype", "float32", "--seats", "1",
+         "--num-blocks", "64", "--max-model-len", "512", "--shutdown-timeout", str(grace)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while "is serving" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "carpool serve did not come up"
+            time.sleep(0.5)
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        outcomes: list = []
+        threads = [threading.Thread(target=_outcome, args=(url, {**body, "stream": True}, outcomes), daemon=True)]
+        threads[0].start()
+        time.sleep(1.0)  # the long stream takes the one seat; two more wait behind it
+        for extra in ({"stream": True, "max_tokens": 8}, {"max_tokens": 8}):
+            threads.append(threading.Thread(target=_outcome, args=(url, {**body, **extra}, outcomes), daemon=True))
+            threads[-1].start()
+        deadline = time.monotonic() + 60
+        while "num_requests_waiting" not in (m := httpx.get(url + "/metrics", timeout=30).text) or not re.search(
+            r"^carpool:num_requests_waiting\{[^}]*\} 2\.0$", m, re.M
+        ):
+            assert time.monotonic() < deadline, "the two requests never waited on the replica"
+            time.sleep(0.2)
+        pids = _replica_pids(proc.pid)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        for extra in ({"stream": True, "max_tokens": 8}, {"max_tokens": 8}):  # before the ingress sees it
+            threads.append(threading.Thread(target=_outcome, args=(url, {**body, **extra}, outcomes), daemon=True))
+            threads[-1].start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(grace + 60)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        rc = proc.wait(timeout=grace + 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    output = log_path.read_text()
+    assert rc == 0 and "draining failed" not in output, output[-3000:]
+    assert len(outcomes) == 5, outcomes
+    for o in outcomes:
+        assert o[0] != "exception", outcomes
+        if o[0] == "status":  # refused or ended before the stream began: JSON 503 with Retry-After
+            assert o[1] == 503 and o[2] is not None and o[3]["code"] in ("unavailable", "shutting_down"), outcomes
+        else:  # the stream had begun: an error event, then [DONE]
+            assert o[1] is not None and o[1]["code"] == "unavailable", outcomes
+    print(f"\nSIGTERM with requests waiting for a dead replica: {outcomes}")
