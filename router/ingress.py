@@ -389,6 +389,11 @@ VIEW_TTL_S = 1.0
 replicas for ``/health``, and its replica bound for :meth:`OpenAIIngress._check_capacity`."""
 
 
+VIEW_TIMEOUT_S = 3.0
+"""How long one look at the deployment may wait for Serve's controller (seconds); then the view is
+unknown (``/health`` answers 503, nothing is refused)."""
+
+
 class _ReplicaView(NamedTuple):
     """The replica deployment as Serve's controller reported it (:func:`_read_replica_view`)."""
 
@@ -409,10 +414,15 @@ def _read_replica_view(app_name: str, deployment_name: str) -> _ReplicaView:
 
     Raises:
         KeyError: the application or deployment does not exist (yet); any error of the call.
+        ray.exceptions.GetTimeoutError: the controller did not answer within
+            :data:`VIEW_TIMEOUT_S` (``get_serve_details()`` has no timeout: a stalled controller
+            would hold ``/health`` and the view's renewal forever).
     """
+    import ray
     from ray.serve.context import _get_global_client
 
-    details = _get_global_client().get_serve_details()
+    controller = _get_global_client()._controller
+    details = ray.get(controller.get_serve_instance_details.remote(), timeout=VIEW_TIMEOUT_S)
     deployment = details["applications"][app_name]["deployments"][deployment_name]
     running = sum(1 for r in deployment.get("replicas", ()) if str(r.get("state")).rsplit(".", 1)[-1] == "RUNNING")
     status = str(deployment["status"]).rsplit(".", 1)[-1]

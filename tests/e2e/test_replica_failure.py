@@ -272,3 +272,35 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
           f"full capacity after {recovered:.1f} s; in-flight: {results}; refused meanwhile in "
           f"{max(r[3] for r in refused):.2f} s at most")
     assert_replaced_replicas_idle(served, old_pids)
+
+
+def test_health_answers_503_at_once_while_serve_controller_does_not_answer(app):
+    """Serve's controller stalled (SIGSTOP): ``/health`` cannot learn the replicas' state and
+    answers 503 within a few seconds instead of hanging on the controller; generation requests
+    are still served from the last view; ``/health`` is 200 again once the controller answers."""
+    import ray
+
+    served = app
+    assert httpx.get(served.root_url + "/health", timeout=10).status_code == 200
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    pid = ray.get(controller.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    answers = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # the ingress's last view is now older than its 1 s TTL
+        for _ in range(2):
+            started = time.monotonic()
+            try:
+                r = httpx.get(served.root_url + "/health", timeout=10)
+                answers.append((r.status_code, r.json().get("status"), time.monotonic() - started))
+            except httpx.TimeoutException:
+                answers.append(("timeout", None, time.monotonic() - started))
+        served_meanwhile = httpx.post(
+            served.base_url + "/completions", json={"model": served.model, "prompt": "Hi", "max_tokens": 2}, timeout=30
+        ).status_code
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert all(a[0] == 503 and a[1] == "unavailable" and a[2] < 6 for a in answers), answers
+    assert served_meanwhile == 200
+    wait_for(served, lambda: httpx.get(served.root_url + "/health", timeout=10).status_code == 200, "/health 200 again", 30)
+    served.wait_idle(timeout_s=10)
