@@ -97,7 +97,8 @@ def paged_attention_forward(
     new_values = value[0].transpose(0, 1)
     cache.write(layer, new_keys, new_values, meta.slot_mapping)
 
-    out = query.new_empty(meta.num_tokens, num_heads, head_dim)
+    # Zeros: the rows of a step's padding tokens (no chunk and no decode covers them) stay 0.
+    out = query.new_zeros(meta.num_tokens, num_heads, head_dim)
     if meta.decode_token_indices is not None:
         q = query[0].index_select(1, meta.decode_token_indices).transpose(0, 1).unsqueeze(2)
         k, v = cache.gather(layer, meta.decode_block_tables)

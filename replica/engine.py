@@ -101,6 +101,9 @@ class LLMEngine:
             policy=cfg.scheduling_policy,
         )
         self.vocab_size = self.runner.model.get_output_embeddings().weight.shape[0]
+        started = time.perf_counter()
+        if warmed := self.runner.warm_up_step_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs):
+            logger.info("built the matmuls of %d padded step shapes in %.2f s", warmed, time.perf_counter() - started)
         self.eos_token_ids = self._eos_token_ids()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

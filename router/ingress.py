@@ -339,6 +339,31 @@ class _ChoiceStream:
         self.gen = gen
         self.retried = False
 
+    def start_over(self, exc: BaseException) -> None:
+        """Mark this choice as started again (once) after ``exc``: a new request id, logged."""
+        logger.warning(
+            "replica gone before the first token of %s (%r): starting it again on another replica", self.request_id, exc
+        )
+        self.retried = True
+        self.request_id += "-retry"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-events response that runs ``on_close`` however it ends: finished, failed, or
+    cancelled because the client went away, even before its first frame (then the frames'
+    generator never starts, so its own cleanup cannot run, and the replica requests it would
+    have read must still be cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
 
 def _ended_error() -> OpenAIError:
     """A request ended because the server shuts down and its grace period is over."""
@@ -617,7 +642,7 @@ class OpenAIIngress:
         prepared = self._prepare("cmpl", body, prompts, texts, body.max_tokens, body.logprobs, info)
         if body.stream:
             streams = await self._open_streams(prepared)
-            return self._sse(self._completion_stream(prepared, body, streams))
+            return self._sse(self._completion_stream(prepared, body, streams), streams)
         choices = await self._run_all(prepared)
         return self._completion_body(prepared, body, choices)
 
@@ -648,7 +673,7 @@ class OpenAIIngress:
         prepared = self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info, param)
         if body.stream:
             streams = await self._open_streams(prepared)
-            return self._sse(self._chat_stream(prepared, body, streams))
+            return self._sse(self._chat_stream(prepared, body, streams), streams)
         choices = await self._run_all(prepared)
         return self._chat_body(prepared, body, choices)
 
@@ -956,9 +981,7 @@ class OpenAIIngress:
 
         Raises what the new admission raises."""
         _cancel(s.gen)
-        s.retried = True
-        s.request_id += "-retry"
-        logger.warning("replica gone before the first token of %s (%r): starting it again on another replica", s.request_id, exc)
+        s.start_over(exc)
         s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
         await self._unless_ended(s.gen.__anext__())
 
@@ -1037,9 +1060,7 @@ class OpenAIIngress:
                 except Exception as exc:
                     if not await self._may_retry(s, exc):
                         raise
-                    s.retried = True
-                    s.request_id += "-retry"
-                    logger.warning("replica gone under %s (%r): starting it again on another replica", s.request_id, exc)
+                    s.start_over(exc)
                 finally:
                     _cancel(s.gen)
 
@@ -1145,7 +1166,7 @@ class OpenAIIngress:
         }
 
     # ---- streaming -----------------------------------------------------------------------------
-    def _sse(self, events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[_ChoiceStream]) -> StreamingResponse:
         async def frames() -> AsyncIterator[str]:
             self._inflight += 1  # counted from the first frame to the last (or the disconnect)
             try:
@@ -1155,7 +1176,7 @@ class OpenAIIngress:
             finally:
                 self._inflight -= 1
 
-        return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _EventStream(frames(), on_close=lambda: _cancel_all(streams))
 
     async def _guarded(self, streams: list[_ChoiceStream]) -> AsyncIterator[tuple[int, StepOutput]]:
         """Like ``_stream_choices``, but replica errors become one OpenAI error event."""

@@ -5,8 +5,9 @@ streamed and not, completions and chat, some cancelled by their client (a stream
 few events or before the first, a non-streaming call abandoned), with a KV pool small enough that
 preemption really happens. At the end every replica must be idle with every block free and
 ``check_integrity()`` passing (the autouse check of ``conftest.py``), no request may have failed,
-and each replica's resident memory (RSS of its process, measured after a warm-up) may grow by
-at most ``MAX_RSS_GROWTH``. The figures are printed (run with ``-s``) and written to
+and each replica's resident memory (RSS of its process) may end at most ``MAX_RSS_GROWTH`` above
+where it was before the first request, and at most ``MAX_RSS_GROWTH_AFTER_WARMUP`` above where it
+was after a warm-up of ``WARMUP`` requests. The figures are printed (run with ``-s``) and written to
 ``$CARPOOL_SOAK_JSON`` when that is set.
 """
 
@@ -26,14 +27,15 @@ from cluster.config import EngineConfig, ServeConfig
 from tests.e2e.test_disconnects import assert_gauges_zero, metrics
 
 NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))
-# In-process runs show each replica's RSS rising for the first ~1,000-1,500 requests and then
-# levelling off (oneDNN's per-shape primitive cache and the allocator's high-water marks fill up
-# as new step shapes appear; the count of Python objects stays flat), so the baseline is taken
-# after a warm-up of that size and RSS is sampled after every CHUNK requests.
+# RSS is sampled before the first request, after the warm-up and after every CHUNK requests. The
+# warm-up's growth (about 4%) is Serve's and the allocator's first use; after it RSS is flat.
+# Before steps were padded to a few sizes (replica.model_runner.padded_size), oneDNN built a
+# primitive for every new token count and RSS grew by 25% over the 5,000 requests.
 WARMUP = 1000
 CHUNK = 1000
 CONCURRENCY = 48
 MAX_RSS_GROWTH = 0.05
+MAX_RSS_GROWTH_AFTER_WARMUP = 0.02
 # 16 seats but 40 blocks × 16 = 640 tokens of KV per replica: a few long requests fill it.
 ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=16, num_blocks=40, max_model_len=256)
 CONFIG = ServeConfig(app_name="e2e-soak", engine=ENGINE)
@@ -181,6 +183,8 @@ def test_soak(served):
     assert figures["preemptions"] > 0
     assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
     assert set(rss_after) == set(rss_before), "a replica was restarted during the soak"
+    for pid, rss in rss_start.items():
+        assert rss_after[pid] <= rss * (1 + MAX_RSS_GROWTH), ("from the first request", pid, rss, rss_after[pid])
     for pid, rss in rss_before.items():
-        assert rss_after[pid] <= rss * (1 + MAX_RSS_GROWTH), (pid, rss, rss_after[pid])
+        assert rss_after[pid] <= rss * (1 + MAX_RSS_GROWTH_AFTER_WARMUP), ("after the warm-up", pid, rss, rss_after[pid])
     assert_gauges_zero(served)

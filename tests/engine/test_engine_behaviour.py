@@ -511,3 +511,53 @@ def test_out_of_range_seed_and_non_bool_flags_are_refused(field, value):
     # seed + n - 1 must fit too (sequence i of n uses seed + i).
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**63 - 1, n=2)
+
+
+# ---- step padding (CPU) -----------------------------------------------------------------------
+
+
+def test_padded_size_buckets():
+    """Exact up to 16 rows, then at most 12.5 % padding, and few distinct sizes for a 512 budget."""
+    from replica.model_runner import padded_size
+
+    assert [padded_size(n) for n in range(1, 17)] == list(range(1, 17))
+    for n in range(17, 4097):
+        size = padded_size(n)
+        assert n <= size <= n * 1.125, (n, size)
+        assert padded_size(size) == size  # a bucket pads to itself
+    assert len({padded_size(n) for n in range(1, 513)}) <= 56
+
+
+def test_padded_steps_keep_tokens_and_bound_shapes(llm, engine):
+    """With step padding on, each step's token count and logits rows are padded to their bucket
+    (the model only sees bucket sizes), and every request's tokens are the same as with it off."""
+    from replica.model_runner import padded_size
+
+    runner = engine.runner
+    prompts = [[(101 + 37 * i + 11 * j) % 2000 + 50 for j in range(3 + 5 * i)] for i in range(12)]
+    params = [greedy(max_tokens=4 + 3 * (i % 5)) for i in range(12)]
+
+    def run_recording(pad: bool) -> tuple[list, list[tuple[int, int]]]:
+        seen: list[tuple[int, int]] = []
+
+        def record(module, args, kwargs):
+            seen.append((kwargs["input_ids"].shape[1], kwargs["logits_to_keep"].numel()))
+
+        runner.pad_steps = pad
+        hook = runner.model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        finally:
+            hook.remove()
+        return [o.outputs[0].token_ids for o in outs], seen
+
+    was = runner.pad_steps
+    try:
+        unpadded, exact_sizes = run_recording(False)
+        padded, padded_sizes = run_recording(True)
+    finally:
+        runner.pad_steps = was
+    assert padded == unpadded
+    assert padded_sizes == [(padded_size(t), padded_size(r)) for t, r in exact_sizes]
+    assert padded_sizes != exact_sizes  # some steps really were padded
+    assert_idle(engine)

@@ -1,0 +1,49 @@
+"""The ingress's server-sent-events response cancels its replica requests however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.ingress import _EventStream
+
+
+def _respond(response, send) -> None:
+    async def receive():
+        await asyncio.sleep(3600)  # the client never sends anything more
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/"}
+    asyncio.run(asyncio.wait_for(response(scope, receive, send), timeout=10))
+
+
+def test_closed_after_the_last_frame():
+    closed, sent = [], []
+
+    async def frames():
+        yield "data: 1\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def send(message):
+        sent.append(message)
+
+    _respond(_EventStream(frames(), on_close=lambda: closed.append(True)), send)
+    assert [m.get("body") for m in sent if m["type"] == "http.response.body"][:2] == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+    assert closed == [True]
+
+
+def test_closed_when_the_client_is_gone_before_the_first_frame():
+    """The frames' generator never starts (so its own ``finally`` cannot run); the replica
+    requests must be cancelled all the same."""
+    closed, started = [], []
+
+    async def frames():
+        started.append(True)
+        yield "data: 1\n\n"
+
+    async def send(message):
+        raise OSError("client gone")
+
+    with pytest.raises(Exception):
+        _respond(_EventStream(frames(), on_close=lambda: closed.append(True)), send)
+    assert started == [] and closed == [True]
