@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -22,6 +23,32 @@ from tests.e2e.conftest import free_port
 from tests.e2e.test_cli import CARPOOL
 
 GRACE_S = 8
+
+
+@contextmanager
+def carpool_serve(tmp_path, *args: str):
+    """Start ``carpool serve --port <free port> *args`` in its own session and wait until it
+    serves; yields ``(process, base URL, log path)``. On exit, whatever is still running of it is
+    killed (the process group: carpool and its local Ray cluster)."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(
+        [CARPOOL, "serve", "--port", str(port), *args],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while "is serving" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "carpool serve did not come up"
+            time.sleep(0.5)
+        yield proc, f"http://127.0.0.1:{port}", log_path
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 def stream(url: str, max_tokens: int, out: dict, first_event: threading.Event) -> None:
@@ -42,23 +69,10 @@ def stream(url: str, max_tokens: int, out: dict, first_event: threading.Event) -
 
 
 def test_sigterm_drains_then_exits(tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(
-        [CARPOOL, "serve", "--replicas", "1", "--port", str(port), "--dtype", "bfloat16", "--seats", "4",
-         "--num-blocks", "128", "--max-model-len", "1024", "--shutdown-timeout", str(GRACE_S)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while "is serving" not in log_path.read_text():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "carpool serve did not come up"
-            time.sleep(0.5)
-
+    with carpool_serve(
+        tmp_path, "--replicas", "1", "--dtype", "bfloat16", "--seats", "4", "--num-blocks", "128",
+        "--max-model-len", "1024", "--shutdown-timeout", str(GRACE_S),
+    ) as (proc, url, log_path):
         short, long_ = {}, {}
         short_started, long_started = threading.Event(), threading.Event()
         threads = [
@@ -88,10 +102,6 @@ def test_sigterm_drains_then_exits(tmp_path):
             t.join(GRACE_S + 30)
         rc = proc.wait(timeout=GRACE_S + 60)
         exited = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
     output = log_path.read_text()
     assert rc == 0, output[-3000:]
     assert "carpool: stopped" in output
@@ -150,22 +160,10 @@ def test_sigterm_while_requests_wait_for_a_dead_replica_answers_every_one(tmp_pa
     and every such request gets a JSON 503 at the end of the grace period, not a dropped
     connection when the server stops."""
     grace = 4
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "w+")
-    proc = subprocess.Popen(
-        [CARPOOL, "serve", "--replicas", "1", "--port", str(port), "--dtype", "float32", "--seats", "1",
-         "--num-blocks", "64", "--max-model-len", "512", "--shutdown-timeout", str(grace)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-    )
-    try:
-        deadline = time.monotonic() + 150
-        while "is serving" not in log_path.read_text():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "carpool serve did not come up"
-            time.sleep(0.5)
+    with carpool_serve(
+        tmp_path, "--replicas", "1", "--dtype", "float32", "--seats", "1", "--num-blocks", "64",
+        "--max-model-len", "512", "--shutdown-timeout", str(grace),
+    ) as (proc, url, log_path):
         body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
         outcomes: list = []
         threads = [threading.Thread(target=_outcome, args=(url, {**body, "stream": True}, outcomes), daemon=True)]
@@ -192,10 +190,6 @@ def test_sigterm_while_requests_wait_for_a_dead_replica_answers_every_one(tmp_pa
             t.join(grace + 60)
         assert not any(t.is_alive() for t in threads), "a request hung"
         rc = proc.wait(timeout=grace + 60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
     output = log_path.read_text()
     assert rc == 0 and "draining failed" not in output, output[-3000:]
     assert len(outcomes) == 5, outcomes
