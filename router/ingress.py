@@ -835,8 +835,11 @@ class OpenAIIngress:
         return _Prepared(request_id, self.model_name, prompts, texts, params)
 
     async def _model_info(self) -> dict[str, Any]:
-        """Limits from a replica (``max_model_len`` depends on its KV pool); fetched once."""
+        """Limits from a replica (``max_model_len`` depends on its KV pool); fetched once. Before
+        that, while no replica can serve, a 503 at once (:meth:`_check_available`) instead of a
+        wait in Serve's queue."""
         if self._info is None:
+            await self._check_available()
             try:
                 self._info = await self.replica.model_info.remote()
             except Exception as exc:  # a full handle queue → 429, no replica → 503
