@@ -36,8 +36,8 @@ def offline(
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats: requests in one batch (static batch size)."),
     max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
-    kv_cache_memory: Optional[int] = typer.Option(
-        None, min=1, help="Bytes for the KV cache (default: 1 GiB on CPU; on CUDA most of the free memory, which leaves none for --compare transformers)."
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, help="KV cache budget, bytes or with a unit (1GiB, 512MiB) (default: 1 GiB on CPU; on CUDA most of the free memory, which leaves none for --compare transformers)."
     ),
     num_requests: int = typer.Option(100, min=1, help="seed-mix and sweep: number of requests."),
     short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
@@ -59,10 +59,16 @@ def offline(
         cap_list = [int(c) for c in caps.split(",") if c.strip()]
     except ValueError:
         _fail(f"--caps must be comma-separated integers, got {caps!r}")
+    from cluster.cli import parse_bytes  # here: cluster.cli imports this module
+
+    try:
+        kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+    except ValueError as exc:
+        _fail(f"--kv-cache-memory: {exc}")
     try:
         offline_main(
             workload, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory, num_requests=num_requests, short=short, long=long,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_bytes, num_requests=num_requests, short=short, long=long,
             mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
         )

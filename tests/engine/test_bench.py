@@ -178,11 +178,16 @@ def test_cli_offline_runs_and_rejects_bad_input(tiny_llama, tmp_path, capsys):
 
     with pytest.raises(SystemExit) as done:
         main(["offline", "-w", "seed-mix", "--model", tiny_llama, "--dtype", "float32", "--num-requests", "2",
-              "--short", "2", "--long", "3", "--no-progress", "--json", str(tmp_path / "o.json")])
+              "--short", "2", "--long", "3", "--no-progress", "--json", str(tmp_path / "o.json"),
+              "--kv-cache-memory", "16MiB"])
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "continuous / static speedup" in out
     assert json.loads((tmp_path / "o.json").read_text())["num_requests"] == 2
+    with pytest.raises(SystemExit) as done:
+        main(["offline", "--kv-cache-memory", "12XB", "--no-progress"])
+    assert done.value.code == 2
+    assert "--kv-cache-memory: not a size" in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["offline", "-w", "nonsense", "--no-progress"])
     assert done.value.code == 2
