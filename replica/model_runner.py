@@ -222,10 +222,11 @@ class ModelRunner:
 
         num_real_rows = len(logits_rows)
         if self.pad_steps:
-            padding = padded_size(len(input_ids)) - len(input_ids)
-            input_ids.extend([0] * padding)
-            positions.extend([0] * padding)
-            slots.extend([self.padding_slot] * padding)
+            # Step padding (not the static policy's padding rows, ``sched.is_padding``).
+            num_pad_tokens = padded_size(len(input_ids)) - len(input_ids)
+            input_ids.extend([0] * num_pad_tokens)
+            positions.extend([0] * num_pad_tokens)
+            slots.extend([self.padding_slot] * num_pad_tokens)
             if logits_rows:
                 logits_rows.extend([logits_rows[-1]] * (padded_size(num_real_rows) - num_real_rows))
 
