@@ -35,7 +35,7 @@ def padded_size(n: int) -> int:
     primitive per matmul shape, a few hundred KiB each, and its cache holds up to 1,024 of them
     (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Unpadded, every new token count is a new shape for each
     linear layer, and a server's memory grew by hundreds of MiB over thousands of requests
-    (``make soak``). Buckets bound the shapes to about 60 per layer kind for a 512-token budget;
+    (``make soak``). Buckets bound the shapes to 56 per linear layer shape for a 512-token budget;
     the same idea as the padded batch sizes of vLLM's CUDA graphs and XLA backends.
     """
     if n <= EXACT_SIZES_UP_TO:
