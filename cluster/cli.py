@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -23,7 +22,7 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from cluster.config import ServeConfig
+from cluster.config import ServeConfig, parse_bytes
 
 app = typer.Typer(
     name="carpool",
@@ -45,23 +44,6 @@ except ImportError:  # pragma: no cover - the bench package is optional
     bench_app = None
 if bench_app is not None:
     app.add_typer(bench_app, name="bench")
-
-
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"2GiB"`` → 2147483648, ``"500MB"`` → 500000000, ``"1e9"`` → 1000000000.
-
-    Raises ``ValueError`` for anything else.
-    """
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 2GB)")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

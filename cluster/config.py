@@ -1,79 +1,34 @@
-"""Settings, with defaults and validation in one place (pydantic).
+"""The serving settings, with defaults and validation in one place (pydantic).
 
-``EngineConfig`` is what one replica's engine needs; the serving settings build on it.
+``ServeConfig`` composes the engine's own settings (:class:`replica.config.EngineConfig`) with the
+cluster and HTTP settings of ``carpool serve``.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from replica.config import DEFAULT_MODEL, EngineConfig
 
+__all__ = ["DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "parse_bytes"]
 
-class EngineConfig(BaseModel):
-    """One replica's engine: model, batch shape, KV cache and scheduling policy."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    model: str = Field(DEFAULT_MODEL, description="Hub id or local folder of a decoder-only transformers model.")
-    tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
-    dtype: str = Field(
-        "auto",
-        description="Weights and KV dtype: auto (bfloat16), bfloat16, float16 or float32.",
-    )
-    device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
-    max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="Token budget of one step (prefill chunks plus decodes)."
-    )
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    num_blocks: int | None = Field(
-        None, ge=1, description="KV blocks in the pool; overrides kv_cache_memory when set."
-    )
-    kv_cache_memory: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "Bytes for the KV cache. Default: 1 GiB on CPU; on CUDA, gpu_memory_utilization of the "
-            "device minus what is in use after loading the model."
-        ),
-    )
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="CUDA only: fraction of device memory Carpool may use in all."
-    )
-    max_model_len: int | None = Field(
-        None,
-        ge=2,
-        description="Prompt + output tokens per request at most; default the model's context length, capped by the KV pool.",
-    )
-    scheduling_policy: Literal["continuous", "static"] = Field(
-        "continuous", description="continuous (iteration-level) batching, or the static baseline."
-    )
-    stall_timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description=(
-            "Seconds the engine loop may go without finishing a step while requests are queued; "
-            "past it the replica's health check fails and Serve replaces the replica."
-        ),
-    )
-    enable_fault_injection: bool = Field(
-        False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
-        from replica.model_loader import resolve_dtype  # keeps the names in one place
-
-        resolve_dtype(self.dtype, self.device)
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        return self
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
-# ---- serving (cluster/app.py, cluster/cli.py) ------------------------------------------------
+def parse_bytes(text: str) -> int:
+    """A size given on a command line, in bytes: ``"2GiB"`` → 2147483648, ``"500MB"`` → 500000000,
+    ``"1.5 GiB"`` → 1610612736 (pydantic's ``ByteSize``: KB/MB/GB are powers of 10, KiB/MiB/GiB of 2).
+
+    Raises ``ValueError`` for anything else.
+    """
+    try:
+        return int(_BYTE_SIZE.validate_python(text))
+    except ValidationError:
+        raise ValueError(f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 2GB)") from None
+
+
 class AutoscalingSettings(BaseModel):
     """Serve autoscaling of the replica deployment, on ongoing requests per replica.
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.config import EngineConfig
+from replica.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.metrics import EngineMetrics
@@ -61,7 +61,6 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
-        self._stats = self.engine.stats()
         self._error: BaseException | None = None
         self._stopping = False
         self.last_step_time = time.monotonic()
@@ -85,13 +84,13 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self._error is None
 
     def stats(self) -> EngineStats:
-        """The latest snapshot (updated by the loop after every step and command)."""
-        return self._stats
+        """The engine's latest snapshot (taken by the loop thread after every step and command)."""
+        return self.engine.stats()
 
     def stalled_for(self) -> float:
         """Seconds the loop has gone without progress (no step finished, not idle) while requests
         are queued or running or commands wait for it; 0.0 when it is idle or progressing."""
-        s = self._stats
+        s = self.engine.stats()
         if not (s.num_running or s.num_waiting or not self._commands.empty()):
             return 0.0
         return max(0.0, time.monotonic() - self._last_progress)
@@ -175,7 +174,6 @@ class AsyncLLMEngine:
                     time.sleep(stall)
                 outputs = engine.step()
                 self.last_step_time = self._last_progress = time.monotonic()
-                self._stats = engine.stats()
                 for output in outputs:
                     self._deliver(output.request_id, output)
         except BaseException as exc:  # deliver the error to every waiting caller, then stop
@@ -190,7 +188,6 @@ class AsyncLLMEngine:
             output = engine.abort(request_id)
             if output is not None:
                 self._deliver(request_id, output)
-        self._stats = engine.stats()
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -218,7 +215,6 @@ class AsyncLLMEngine:
                 for request_id in list(self.engine.scheduler.requests):
                     if self.engine.abort(request_id) is not None:
                         self._deliver(request_id, RequestAbortedError(arg))
-            self._stats = self.engine.stats()
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         if isinstance(item, StepOutput) and item.error is not None:

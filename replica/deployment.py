@@ -21,7 +21,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.config import EngineConfig
+from replica.config import EngineConfig
 from replica.errors import ReplicaOverloadedError
 from replica.request import SamplingParams, StepOutput
 

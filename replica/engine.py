@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from cluster.config import EngineConfig
+from replica.config import EngineConfig
 from replica.block_manager import BlockManager
 from replica.detokenizer import IncrementalDetokenizer
 from replica.metrics import EngineMetrics
@@ -31,7 +31,7 @@ class EngineStateError(RuntimeError):
     """The engine's state can no longer be trusted; the engine must be replaced."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's load (what the router and the metrics read)."""
 
@@ -53,7 +53,7 @@ class LLMEngine:
     """Continuous-batching engine over a paged KV cache for one transformers model.
 
     Args:
-        config: an :class:`~cluster.config.EngineConfig` (or its fields as keyword arguments).
+        config: an :class:`~replica.config.EngineConfig` (or its fields as keyword arguments).
         metrics: where to record Prometheus metrics (none by default, e.g. offline use).
 
     Raises:
@@ -109,7 +109,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
         self._consecutive_failed_steps = 0
-        self._refresh_gauges()
+        self._refresh_stats()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -201,7 +201,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self._detokenizers[request.request_id] = detokenizer
-        self._refresh_gauges()
+        self._refresh_stats()
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Abort a waiting or running request; its seat and blocks are free on return.
@@ -215,7 +215,7 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         if self.metrics is not None:
             self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
-        self._refresh_gauges()
+        self._refresh_stats()
         return self._output(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
@@ -282,7 +282,7 @@ class LLMEngine:
                 duration_s=time.monotonic() - started,
                 num_preempted=len(out.preempted),
             )
-        self._refresh_gauges()
+        self._refresh_stats()
         return outputs
 
     def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None) -> StepOutput:
@@ -343,6 +343,7 @@ class LLMEngine:
                 continue  # a static batch's padding row: finished already, freed with its batch
             seen.add(request.request_id)
             outputs.append(self._fail_request(request, exc))
+        self._refresh_stats()
         try:
             self.check_integrity()
         except AssertionError as broken:
@@ -351,12 +352,23 @@ class LLMEngine:
             raise EngineStateError(
                 f"{self._consecutive_failed_steps} engine steps in a row failed; last error: {exc!r}"
             ) from exc
-        self._refresh_gauges()
         return outputs
 
-    def _refresh_gauges(self) -> None:
+    def _refresh_stats(self) -> None:
+        """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
+        aborted request), and set the metrics' gauges from it."""
+        bm = self.block_manager
+        self._stats = stats = EngineStats(
+            num_slots=self.scheduler.max_num_seqs,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.step_count,
+        )
         if self.metrics is not None:
-            stats = self.stats()
             self.metrics.on_state(
                 num_slots=stats.num_slots,
                 num_running=stats.num_running,
@@ -383,17 +395,9 @@ class LLMEngine:
 
     # ---- state -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            num_slots=self.scheduler.max_num_seqs,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks,
-            kv_cache_usage=bm.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.scheduler.step_count,
-        )
+        """The engine's load after its latest change (step, add or abort). An immutable snapshot,
+        so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
+        return self._stats
 
     def check_integrity(self) -> None:
         """Block accounting holds, and every block's owner is a live request (``AssertionError`` otherwise)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from cluster.config import EngineConfig
+from replica.config import EngineConfig
 from replica.engine import LLMEngine
 from replica.request import CompletionOutput, RequestOutput, SamplingParams
 
@@ -13,7 +13,7 @@ from replica.request import CompletionOutput, RequestOutput, SamplingParams
 class LLM:
     """Generate for many prompts at once with continuous batching, in this process.
 
-    Keyword arguments are :class:`~cluster.config.EngineConfig` fields (``model``, ``dtype``,
+    Keyword arguments are :class:`~replica.config.EngineConfig` fields (``model``, ``dtype``,
     ``device``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_blocks`` or
     ``kv_cache_memory`` (bytes), ``max_model_len``, ``scheduling_policy``).
 

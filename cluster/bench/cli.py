@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline|serve`` and ``python -m cluster.bench offline|serve``.
+"""The ``bench`` command group (typer): ``carpool bench offline|serve|overhead`` (also ``python -m cluster.bench ...``).
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -59,7 +59,7 @@ def offline(
         cap_list = [int(c) for c in caps.split(",") if c.strip()]
     except ValueError:
         _fail(f"--caps must be comma-separated integers, got {caps!r}")
-    from cluster.cli import parse_bytes  # here: cluster.cli imports this module
+    from cluster.config import parse_bytes
 
     try:
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
@@ -106,6 +106,32 @@ def serve(
         _fail(str(exc))
     if summary["errors"]:
         raise typer.Exit(code=1)
+
+
+@bench_app.command("overhead")
+def overhead(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16), bfloat16, float16 or float32."),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", "--seats", min=1, help="Seats of the in-process engine and of each replica."),
+    replicas: str = typer.Option("auto", help="Replicas of the served app, or auto (one per CPU core / GPU)."),
+    num_requests: int = typer.Option(100, min=1, help="Requests of the seed mix."),
+    short: int = typer.Option(20, min=1, help="Output tokens of the short half."),
+    long: int = typer.Option(200, min=1, help="Output tokens of the long half."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="Served run: requests/s, Poisson arrivals; inf: all at once."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads of the in-process run (default: torch's choice)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
+) -> None:
+    """The seed mix in-process (LLM.generate), then served over HTTP by a local app: tok/s of both and their ratio."""
+    from cluster.bench.overhead import overhead_main
+
+    try:
+        overhead_main(
+            model=model, dtype=dtype, max_num_seqs=max_num_seqs, replicas=replicas, num_requests=num_requests,
+            short=short, long=long, request_rate=request_rate, threads=threads, json_path=json_path, progress=progress,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _fail(message: str) -> None:

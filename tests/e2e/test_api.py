@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=64)
 CONFIG = ServeConfig(app_name="e2e-api", engine=ENGINE, max_n=4)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from cluster.bench.serve import serve_main
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 
 NUM_PROMPTS = 8
 SHORT, LONG = 4, 12

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 
 KEY = "test-key-7a"
 AUTH = {"Authorization": f"Bearer {KEY}"}

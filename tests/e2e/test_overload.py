@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 
 SEATS, WAITING, REPLICAS = 2, 2, 2
 CAPACITY = REPLICAS * (SEATS + WAITING)

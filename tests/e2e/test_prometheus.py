@@ -19,7 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 from tests.e2e.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ import asyncio
 import openai
 import pytest
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 
 # 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue.
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128)

@@ -23,7 +23,8 @@ import httpx
 import psutil
 import pytest
 
-from cluster.config import EngineConfig, ServeConfig
+from cluster.config import ServeConfig
+from replica.config import EngineConfig
 from tests.e2e.test_disconnects import assert_gauges_zero, metrics
 
 NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))

@@ -1,0 +1,90 @@
+"""The engine's settings, with defaults and validation in one place (pydantic).
+
+``EngineConfig`` is what one replica's engine needs; ``cluster.config.ServeConfig`` composes it
+with the serving settings.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# dtype names accepted in settings -> torch dtype attribute ("auto": bfloat16, fast on
+# AVX-512-bf16 CPUs and on every recent GPU).
+DTYPE_NAMES = {
+    "auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+
+
+def check_dtype_name(dtype: str) -> str:
+    """The torch dtype attribute a dtype setting names (``"auto"`` → ``"bfloat16"``).
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
+class EngineConfig(BaseModel):
+    """One replica's engine: model, batch shape, KV cache and scheduling policy."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(DEFAULT_MODEL, description="Hub id or local folder of a decoder-only transformers model.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
+    dtype: str = Field(
+        "auto",
+        description="Weights and KV dtype: auto (bfloat16), bfloat16, float16 or float32.",
+    )
+    device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
+    max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one step (prefill chunks plus decodes)."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; overrides kv_cache_memory when set."
+    )
+    kv_cache_memory: ByteSize | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Bytes for the KV cache, a number or with a unit (1GiB, 512MiB, 2GB). Default: 1 GiB on "
+            "CPU; on CUDA, gpu_memory_utilization of the device minus what is in use after loading the model."
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA only: fraction of device memory Carpool may use in all."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Prompt + output tokens per request at most; default the model's context length, capped by the KV pool.",
+    )
+    scheduling_policy: Literal["continuous", "static"] = Field(
+        "continuous", description="continuous (iteration-level) batching, or the static baseline."
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Seconds the engine loop may go without finishing a step while requests are queued; "
+            "past it the replica's health check fails and Serve replaces the replica."
+        ),
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        check_dtype_name(self.dtype)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        return self
