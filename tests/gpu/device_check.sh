@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One run on a lent GPU machine (README: Benchmarks, "On a GPU"): the engine's fidelity tests on CUDA, then
+# One run on a lent GPU machine (docs/development.md, "The GPU check"): the engine's fidelity tests on CUDA, then
 # offline throughput (continuous vs static vs transformers) on random-weight models in the default
 # model's shape and in an 8B shape. The machine has torch/CUDA but no network and no model files:
 # .whl carries the Python packages its image lacks or has in other versions, .gpu/smollm2-tokenizer
