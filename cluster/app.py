@@ -103,7 +103,7 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
     # Should a BackPressureError get past the ingress's own mapping, Serve answers 429 + Retry-After
     # (its default is 503 without one).
-    from router.ingress import RETRY_AFTER_S
+    from router.errors import RETRY_AFTER_S
 
     options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
     return options
@@ -124,7 +124,8 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from replica.deployment import LLMReplica
-    from router.ingress import RETRY_AFTER_S, OpenAIIngress
+    from router.errors import RETRY_AFTER_S
+    from router.ingress import OpenAIIngress
     from router.policy import CarpoolRequestRouter
 
     engine = config.engine
@@ -149,7 +150,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
-    ).bind(replica, config.model_dump())
+    ).bind(replica, config.ingress_fields(), engine.model_dump())
     return ingress
 
 

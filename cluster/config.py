@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from replica.config import DEFAULT_MODEL, EngineConfig
+from router.config import IngressConfig
 
 __all__ = ["DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "parse_bytes"]
 
@@ -65,8 +66,9 @@ class AutoscalingSettings(BaseModel):
         return self
 
 
-class ServeConfig(BaseModel):
-    """``carpool serve``: the engine settings of every replica plus the cluster and HTTP settings.
+class ServeConfig(IngressConfig):
+    """``carpool serve``: the engine settings of every replica plus the cluster and HTTP settings;
+    the settings the ingress reads are inherited from :class:`~router.config.IngressConfig`.
 
     A config file (YAML or JSON) holds these fields, with the engine's under ``engine:``; command
     line options override it. Example::
@@ -89,16 +91,8 @@ class ServeConfig(BaseModel):
             "otherwise one per CPU core of the cluster."
         ),
     )
-    served_model_name: str | None = Field(
-        None, description="The model id the API reports and accepts; default the engine's model."
-    )
     host: str = Field("127.0.0.1", description="Address the HTTP server binds (0.0.0.0 for every interface).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the OpenAI-compatible API.")
-    api_key: str | None = Field(
-        None,
-        min_length=1,
-        description="If set, every endpoint but /health needs 'Authorization: Bearer <api_key>'.",
-    )
     address: str | None = Field(
         None, description="Ray cluster to join (e.g. 'auto' or 'ray://host:10001'); default a new local one."
     )
@@ -115,48 +109,11 @@ class ServeConfig(BaseModel):
             "refuses the ones past its waiting bound (429) instead of Serve queueing them."
         ),
     )
-    max_waiting_requests: int = Field(
-        256,
-        ge=0,
-        description=(
-            "Requests one replica holds beyond its seats (max_num_seqs) at most. A request past "
-            "max_num_seqs + max_waiting_requests is refused with 429 and Retry-After."
-        ),
-    )
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (tokenization, SSE).")
-    # ---- request caps: a request past one is refused with a 4xx naming the field ----
-    max_n: int = Field(16, ge=1, description="Largest 'n' (choices per request) the API accepts.")
-    max_logprobs: int = Field(
-        20, ge=0, le=20, description="Largest 'logprobs' (completions) / 'top_logprobs' (chat) the API accepts."
-    )
-    max_stop_sequences: int = Field(16, ge=0, description="Stop strings per request at most.")
-    max_stop_sequence_length: int = Field(256, ge=1, description="Characters per stop string at most.")
-    max_prompts_per_request: int = Field(
-        64, ge=1, description="Prompts in one /v1/completions request (a list of prompts) at most."
-    )
-    max_choices_per_request: int = Field(
-        128, ge=1, description="Prompts x n of one request at most (each is one replica request)."
-    )
-    max_request_body_bytes: int = Field(
-        8 * 2**20,
-        ge=1024,
-        description=(
-            "Request body size at most (bytes); a larger body is refused with 413 before it is read "
-            "whole (by Content-Length, or while a chunked body arrives)."
-        ),
-    )
     routing_stats_period_s: float = Field(
         0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
-    shutdown_timeout_s: float = Field(
-        30.0,
-        ge=0,
-        description=(
-            "On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish (new ones get "
-            "503 meanwhile) before the rest are ended with a 503 error and the server stops."
-        ),
-    )
     autoscaling: AutoscalingSettings | None = Field(
         None,
         description=(
@@ -164,15 +121,6 @@ class ServeConfig(BaseModel):
             "replica (Serve's autoscaler) instead of a fixed count; replicas must then stay 'auto'."
         ),
     )
-
-    @field_validator("api_key")
-    @classmethod
-    def _check_api_key(cls, value: str | None) -> str | None:
-        # HTTP headers carry latin-1 at best and clients send ASCII; the ingress compares the
-        # stripped token, so a key with outer whitespace or other characters could never match.
-        if value is not None and (not value.isascii() or not value.isprintable() or value != value.strip() or " " in value):
-            raise ValueError("must be printable ASCII without spaces (it travels in an HTTP header)")
-        return value
 
     @field_validator("replicas", mode="before")
     @classmethod
@@ -207,4 +155,4 @@ class ServeConfig(BaseModel):
     @property
     def model_name(self) -> str:
         """The model id clients use in requests and see in ``/v1/models``."""
-        return self.served_model_name or self.engine.model
+        return self.served_name(self.engine.model)

@@ -28,8 +28,8 @@ Number = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
 """A finite JSON number (int or float); strings and booleans are rejected."""
 
 MAX_LOGPROBS = 20  # the engine's cap (SamplingParams.MAX_LOGPROBS); the server's may be lower
-# The server's own caps (n, stop sequences, prompts, logprobs) are ServeConfig fields, checked by
-# the ingress.
+# The server's own caps (n, stop sequences, prompts, logprobs) are IngressConfig fields
+# (router/config.py), checked by the ingress (router/preparation.py).
 
 
 DEFAULT_CODES = {

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.ingress import _EventStream
+from router.responses import EventStream as _EventStream
 
 
 def _respond(response, send) -> None:

@@ -1,4 +1,4 @@
-"""How the ingress answers each way a replica request can fail (``router.ingress._replica_error``).
+"""How the ingress answers each way a replica request can fail (``router.errors.replica_error``).
 
 The exceptions are the real ones, as they reach the ingress: the replica's own exception wrapped
 by Ray (``RayTaskError``, which keeps it as ``cause`` and is an instance of its class), or Ray's
@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
-from router.ingress import _replica_error
+from router.errors import replica_error as _replica_error
 
 
 def from_replica(exc: BaseException) -> BaseException:

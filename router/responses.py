@@ -1,0 +1,304 @@
+"""Response formatting: replica outputs to OpenAI JSON bodies and server-sent events.
+
+Owns: each choice's accumulated output (:class:`Choice`); the bodies of ``/v1/completions`` and
+``/v1/chat/completions`` with usage and logprobs (:class:`ResponseFormatter`); their streamed
+events, ending with the usage chunk when asked for and an error event when a replica fails; and
+the SSE framing (:func:`sse_frames`, ``data: [DONE]`` last) in a response that runs its cleanup
+however it ends (:class:`EventStream`).
+"""
+
+# No "from __future__ import annotations", as in router/ingress.py.
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from replica.request import StepOutput, TokenLogprobs
+from router.errors import StreamError
+from router.preparation import Prepared
+from router.protocol import ChatCompletionRequest, CompletionRequest
+
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
+
+
+def _finite(value: float) -> float:
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+class Choice:
+    """One choice's output, accumulated from its deltas (:meth:`add`).
+
+    Attributes:
+        index: the choice index (``prompt_index * n + j``).
+        prompt_index: the prompt it continues.
+        text: the text pieces, in order.
+        token_ids, logprobs: the output tokens and their logprobs (when asked for).
+        finish_reason, stop_reason: set by the last delta.
+        num_output_tokens: output tokens so far.
+    """
+
+    __slots__ = ("index", "prompt_index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_output_tokens")
+
+    def __init__(self, index: int, prompt_index: int) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_output_tokens = 0
+
+    def add(self, delta: StepOutput) -> None:
+        """Append a delta (or a whole output) of this choice."""
+        self.text.append(delta.new_text)
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def _stream_event(prepared: Prepared, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    """One SSE event of a streamed response (``kind``: ``text_completion`` or ``chat.completion.chunk``)."""
+    event = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": prepared.model, "choices": choices}
+    if usage is not None:
+        event["usage"] = usage
+    return event
+
+
+def _response_body(prepared: Prepared, kind: str, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    """A whole (not streamed) response body (``kind``: ``text_completion`` or ``chat.completion``)."""
+    return {
+        "id": prepared.request_id,
+        "object": kind,
+        "created": prepared.created,
+        "model": prepared.model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def _collect(prepared: Prepared, outputs: list[StepOutput]) -> list[Choice]:
+    """The choices of a non-streamed request from its outputs (in the order of ``prepared.jobs()``)."""
+    choices = []
+    for (index, p, _, _), output in zip(prepared.jobs(), outputs):
+        choice = Choice(index, p)
+        choice.add(output)
+        choices.append(choice)
+    return choices
+
+
+class ResponseFormatter:
+    """Builds the OpenAI bodies and events of one model's responses.
+
+    Args:
+        tokenizer: the model's tokenizer; logprobs name their tokens by decoding them one by one
+            (up to 200,000 decoded tokens are kept).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def _usage(self, prepared: Prepared, choices: Iterable[Choice]) -> dict[str, int]:
+        completion = sum(c.num_output_tokens for c in choices)
+        return {
+            "prompt_tokens": prepared.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prepared.num_prompt_tokens + completion,
+        }
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = text
+        return text
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            token = self._token_str(lp.token_id)
+            tokens.append(token)
+            token_logprobs.append(_finite(lp.logprob))
+            top = {self._token_str(t): _finite(v) for t, v in lp.top}
+            top.setdefault(token, _finite(lp.logprob))
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            token = self._token_str(token_id)
+            return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
+
+        return [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]
+
+    # ---- whole bodies --------------------------------------------------------------------------
+    def completion_body(self, prepared: Prepared, body: CompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
+        """The ``text_completion`` body of ``outputs`` (one per job of ``prepared``, in order)."""
+        choices = _collect(prepared, outputs)
+        out = []
+        for c in choices:
+            prefix = prepared.prompt_texts[c.prompt_index] if body.echo else ""
+            text = "".join(c.text)
+            out.append(
+                {
+                    "index": c.index,
+                    "text": prefix + text,
+                    "logprobs": self._completion_logprobs(c.logprobs, len(prefix)) if body.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return _response_body(prepared, "text_completion", out, self._usage(prepared, choices))
+
+    def chat_body(self, prepared: Prepared, body: ChatCompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
+        """The ``chat.completion`` body of ``outputs`` (one per job of ``prepared``, in order)."""
+        choices = _collect(prepared, outputs)
+        out = []
+        for c in choices:
+            out.append(
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return _response_body(prepared, "chat.completion", out, self._usage(prepared, choices))
+
+    # ---- streamed events -------------------------------------------------------------------------
+    def completion_events(
+        self,
+        prepared: Prepared,
+        body: CompletionRequest,
+        deltas: AsyncIterator[tuple[int, StepOutput]],
+        on_close: Callable[[], None],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ``text_completion`` events of ``deltas`` (``(choice index, delta)``, raising
+        :class:`~router.errors.StreamError` on a replica failure, which becomes the last event):
+        first the prompts with ``echo``, then the text of each delta. ``on_close`` runs however
+        the events end (it cancels the replica requests)."""
+        jobs = prepared.jobs()
+        offsets = {index: len(prepared.prompt_texts[p]) if body.echo else 0 for index, p, _, _ in jobs}
+        opening = []
+        if body.echo:
+            opening.append([
+                {"index": index, "text": prepared.prompt_texts[p], "logprobs": None, "finish_reason": None}
+                for index, p, _, _ in jobs
+            ])
+
+        def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
+            if not delta.new_text and not delta.finished and not (body.logprobs is not None and delta.new_logprobs):
+                return None
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            return {
+                "index": index,
+                "text": delta.new_text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason if delta.finished else None,
+                "stop_reason": delta.stop_reason if delta.finished else None,
+            }
+
+        return self._events(prepared, "text_completion", body, opening, deltas, entry, on_close)
+
+    def chat_events(
+        self,
+        prepared: Prepared,
+        body: ChatCompletionRequest,
+        deltas: AsyncIterator[tuple[int, StepOutput]],
+        on_close: Callable[[], None],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ``chat.completion.chunk`` events of ``deltas``: first each choice's role, then as
+        :meth:`completion_events`."""
+        opening = [
+            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            for index, _, _, _ in prepared.jobs()
+        ]
+
+        def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
+            if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs):
+                return None
+            return {
+                "index": index,
+                "delta": {"content": delta.new_text} if delta.new_text or not delta.finished else {},
+                "logprobs": {"content": self._chat_logprobs(delta.new_logprobs or [])} if body.logprobs else None,
+                "finish_reason": delta.finish_reason if delta.finished else None,
+                "stop_reason": delta.stop_reason if delta.finished else None,
+            }
+
+        return self._events(prepared, "chat.completion.chunk", body, opening, deltas, entry, on_close)
+
+    async def _events(
+        self,
+        prepared: Prepared,
+        kind: str,
+        body: CompletionRequest | ChatCompletionRequest,
+        opening: list[list[dict[str, Any]]],
+        deltas: AsyncIterator[tuple[int, StepOutput]],
+        entry: Callable[[int, StepOutput], dict[str, Any] | None],
+        on_close: Callable[[], None],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The events of a streamed response: one per ``opening`` list of choice entries, one per
+        delta that ``entry`` turns into a choice entry (None: nothing to send), the usage when
+        ``stream_options.include_usage``; an error event instead of the rest on a
+        :class:`~router.errors.StreamError`. ``on_close`` runs however it ends."""
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+            return _stream_event(prepared, kind, choices, usage)
+
+        choices = {index: Choice(index, p) for index, p, _, _ in prepared.jobs()}
+        try:
+            for entries in opening:
+                yield chunk(entries)
+            async for index, delta in deltas:
+                choices[index].add(delta)
+                item = entry(index, delta)
+                if item is not None:
+                    yield chunk([item])
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], self._usage(prepared, choices.values()))
+        except StreamError as exc:
+            yield exc.error.body()
+        finally:  # closed early (client gone): no replica request outlives the response
+            on_close()
+
+
+async def sse_frames(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent-event frames: ``data: <json>`` per event, then ``data: [DONE]``."""
+    async for event in events:
+        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A server-sent-events response that runs ``on_close`` however it ends: finished, failed, or
+    cancelled because the client went away, even before its first frame (then the frames'
+    generator never starts, so its own cleanup cannot run, and the replica requests it would
+    have read must still be cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
