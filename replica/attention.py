@@ -1,64 +1,157 @@
 """Our paged attention, plugged into transformers models through ``AttentionInterface``.
 
 The model runner packs every scheduled token of every request into one row (batch size 1,
-``num_tokens`` positions) and passes an :class:`AttentionMetadata` through the model call's
-``**kwargs`` (key ``carpool_metadata``); transformers forwards it to every attention layer. No
-global state: two engines in one process never see each other's metadata.
+``num_tokens`` positions). Every attention layer calls :func:`paged_attention_forward`, which
+hands the layer's query, key and value to one opaque custom op, ``carpool::paged_attention``
+(``torch.library.custom_op``): torch.compile fuses the dense code around it (norms, rotary,
+activations, residual adds) and leaves attention to the backend. Per layer the op
 
-Per layer, :func:`paged_attention_forward`:
-1. writes the step's new K/V into the paged cache at ``slot_mapping``;
-2. decodes (one query token per sequence) attend together: their contexts are gathered through
-   their block tables into one padded batch with a length mask, one SDPA call;
-3. prefill chunks attend one sequence at a time: a chunk that starts at position 0 attends to its
-   own K/V with a causal mask (no gather); a later chunk gathers its earlier context from the
-   cache and uses a causal mask shifted by its start position.
+1. writes the step's new K/V into the layer's paged cache at the step's ``slot_mapping``;
+2. attends every sequence of the step (prefill chunks and decodes alike) through its block
+   table, in one backend call.
 
-This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180) computed with
-``torch.nn.functional.scaled_dot_product_attention``; GQA heads are not repeated
-(``enable_gqa=True``).
+The step's metadata (query offsets, context lengths, block tables) is planned once per step by the
+engine's :class:`AttentionBackend` (:meth:`AttentionBackend.plan`), which every layer's op call
+reads: the model runner runs the forward inside :func:`running_step`, which tells the op (on this
+thread) whose step it is, so two engines in one process never see each other's steps. The layer's
+K/V cache tensors are attributes of its attention module (``carpool_key_cache``,
+``carpool_value_cache``), so that one compiled layer serves every layer. A step whose tokens are
+all decodes may instead pass a :class:`DecodeStep` to the model call, and then attention is traced
+into the compiled layer.
+
+This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). Backends are in
+:mod:`replica.attention_backends`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from replica.kv_cache import PagedKVCache
+from replica.decode_attention import decode_step_attention
 
 ATTENTION_NAME = "carpool_paged"
 
-
-@dataclass
-class PrefillChunk:
-    """One sequence's prefill chunk: packed tokens ``[token_start, token_end)`` at positions
-    ``[context_start, context_start + token_end - token_start)``."""
-
-    token_start: int
-    token_end: int
-    context_start: int
-    block_table: torch.Tensor | None = None  # [1, num_blocks] when context_start > 0
-    mask: torch.Tensor | None = None  # [1, 1, q_len, num_blocks * block_size] bool
+_current = threading.local()  # the backend whose step this thread is running (see running_step)
 
 
 @dataclass
-class AttentionMetadata:
-    """What every attention layer needs for one step (built once per step by the model runner).
+class StepSequences:
+    """The sequences of one step as the backends see them (host arrays, built by the model runner).
 
-    Shapes: ``slot_mapping`` ``[num_tokens]``; ``decode_token_indices`` ``[num_decodes]``;
-    ``decode_block_tables`` ``[num_decodes, max_blocks]``; ``decode_mask``
-    ``[num_decodes, 1, 1, max_blocks * block_size]`` (True = attend).
+    Sequence ``i`` computes tokens ``[query_start[i], query_start[i + 1])`` of the packed step, at
+    positions ``context_lens[i] ...``; ``seq_lens[i] = context_lens[i] + query_lens[i]``. Shapes:
+    ``query_start`` ``[S + 1]``; ``query_lens``, ``context_lens``, ``seq_lens`` ``[S]``;
+    ``block_tables`` ``[S, W]`` (``W`` blocks cover the longest sequence; the rest of a row is
+    padding); ``slot_mapping`` ``[num_tokens]`` (padding tokens of a padded step map to a spare
+    slot that no block table holds). ``num_tokens`` may exceed ``query_start[-1]`` by those padding
+    tokens; their attention output is zero.
     """
 
-    kv_cache: PagedKVCache
-    slot_mapping: torch.Tensor
+    query_start: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
     num_tokens: int
-    decode_token_indices: torch.Tensor | None = None
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class AttentionBackend:
+    """How one engine computes paged attention on its device.
+
+    :meth:`plan` runs once per step, before the forward, with the step's :class:`StepSequences`;
+    :meth:`forward` runs once per layer. Subclasses implement both.
+
+    Args:
+        block_size: tokens per KV block.
+        device: where the KV cache and the step's tensors live.
+    """
+
+    name = "base"
+    inline_decode = False  # may a compiled model trace decode-only steps' attention (DecodeStep)?
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    def plan(self, step: StepSequences) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # pragma: no cover - interface
+        """``query`` ``[T, H, D]``, ``key``/``value`` ``[T, H_kv, D]``; caches ``[num_slots, H_kv, D]``.
+        Writes the new K/V into the caches, returns the attention output ``[T, H, D]``."""
+        raise NotImplementedError
+
+
+@dataclass
+class DecodeStep:
+    """A step whose every token is one sequence's next token (padding tokens included, as
+    sequences of one token that read and write the spare slot): attention is then traced into the
+    compiled layer (:func:`replica.attention_backends.decode_attention`) instead of going through
+    the opaque op, which saves the op's Python work and a compiled call per layer.
+
+    Shapes: ``slot_mapping`` ``[T]``, ``block_tables`` ``[T, W]``, ``seq_lens`` ``[T]``.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
+
+
+@contextmanager
+def running_step(backend: AttentionBackend):
+    """Run a forward of ``backend``'s planned step on this thread: the attention op of every layer
+    called inside reaches that backend. Each engine steps on one thread at a time, so two engines
+    in one process never see each other's steps."""
+    previous = getattr(_current, "backend", None)
+    _current.backend = backend
+    try:
+        yield
+    finally:
+        _current.backend = previous
+
+
+@torch.library.custom_op("carpool::paged_attention", mutates_args=("key_cache", "value_cache"))
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's paged attention over the step this thread is running (:func:`running_step`).
+    ``query`` ``[T, H, D]``; ``key``, ``value`` ``[T, H_kv, D]``; returns ``[T, H, D]``.
+
+    Raises ``RuntimeError`` outside :func:`running_step`."""
+    backend = getattr(_current, "backend", None)
+    if backend is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside a model runner's step")
+    return backend.forward(query, key, value, key_cache, value_cache, scale)
+
+
+@paged_attention.register_fake
+def _(query, key, value, key_cache, value_cache, scale):
+    return torch.empty_like(query)
 
 
 def paged_attention_forward(
@@ -74,52 +167,63 @@ def paged_attention_forward(
     """transformers attention function over the paged cache.
 
     Args:
+        module: the attention layer; :func:`attach_kv_cache` gave it its cache.
         query: ``[1, num_heads, num_tokens, head_dim]`` (RoPE applied).
         key, value: ``[1, num_kv_heads, num_tokens, head_dim]`` (GQA heads not repeated).
-        kwargs: must hold ``carpool_metadata`` (:class:`AttentionMetadata`).
     Returns:
         ``([1, num_tokens, num_heads, head_dim], None)``.
     Raises:
+        RuntimeError: the layer has no cache (the model is not run through ``ModelRunner``).
         NotImplementedError: for attention variants this kernel does not implement
             (logit soft-capping, attention sinks, a sliding window).
     """
-    meta: AttentionMetadata | None = kwargs.get("carpool_metadata")
-    if meta is None:
-        raise RuntimeError(f"{ATTENTION_NAME} attention needs carpool_metadata (run it through ModelRunner)")
+    if not hasattr(module, "carpool_key_cache"):
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs a KV cache (run the model through ModelRunner)")
     for unsupported in ("softcap", "s_aux", "sliding_window"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"{ATTENTION_NAME} does not support {unsupported}")
-    layer = module.layer_idx
-    cache = meta.kv_cache
-    num_heads, head_dim = query.shape[1], query.shape[3]
-
-    new_keys = key[0].transpose(0, 1)  # [T, H_kv, D]
-    new_values = value[0].transpose(0, 1)
-    cache.write(layer, new_keys, new_values, meta.slot_mapping)
-
-    # Zeros: the rows of a step's padding tokens (no chunk and no decode covers them) stay 0.
-    out = query.new_zeros(meta.num_tokens, num_heads, head_dim)
-    if meta.decode_token_indices is not None:
-        q = query[0].index_select(1, meta.decode_token_indices).transpose(0, 1).unsqueeze(2)
-        k, v = cache.gather(layer, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True
-        )  # [S_d, H, 1, D]
-        out.index_copy_(0, meta.decode_token_indices, o.squeeze(2))
-    for chunk in meta.prefills:
-        s, e = chunk.token_start, chunk.token_end
-        q = query[:, :, s:e]
-        if chunk.block_table is None:
-            o = F.scaled_dot_product_attention(
-                q, key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=True
-            )
-        else:
-            k, v = cache.gather(layer, chunk.block_table)
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=chunk.mask, scale=scaling, enable_gqa=True
-            )
-        out[s:e] = o[0].transpose(0, 1)
+    head_dim = query.shape[-1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    decode: DecodeStep | None = kwargs.get("carpool_decode")
+    if decode is not None:
+        out = decode_step_attention(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            module.carpool_key_cache, module.carpool_value_cache, decode, scale,
+        )
+        return out.unsqueeze(0), None
+    out = torch.ops.carpool.paged_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        module.carpool_key_cache,
+        module.carpool_value_cache,
+        float(scale),
+    )
     return out.unsqueeze(0), None
+
+
+def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list) -> int:
+    """Give every attention layer of ``model`` (the modules with a ``layer_idx``) its K/V cache
+    tensors. Returns the number of layers attached.
+
+    Raises ``ValueError`` if the model's layer indices do not match the caches.
+    """
+    attached = 0
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, int) and hasattr(module, "config") and _is_attention(module):
+            if not 0 <= layer < len(key_caches):
+                raise ValueError(f"attention layer {layer} has no KV cache ({len(key_caches)} layers)")
+            module.carpool_key_cache = key_caches[layer]
+            module.carpool_value_cache = value_caches[layer]
+            attached += 1
+    if attached != len(key_caches):
+        raise ValueError(f"found {attached} attention layers for {len(key_caches)} KV caches")
+    return attached
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention")
 
 
 def register_paged_attention() -> str:

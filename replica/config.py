@@ -67,6 +67,21 @@ class EngineConfig(BaseModel):
         ge=2,
         description="Prompt + output tokens per request at most; default the model's context length, capped by the KV pool.",
     )
+    attention_backend: Literal["auto", "reference", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "auto: the device's fast backend (cpu: compiled decode kernel and one batched prefill "
+            "call; cuda: FlashInfer if installed, else torch's varlen flash attention); reference: "
+            "one SDPA call per sequence (slow, the tests' oracle)."
+        ),
+    )
+    compile: bool = Field(
+        True,
+        description=(
+            "torch.compile the decoder layers (and the CPU decode kernel); compiled code is cached "
+            "on disk. False runs eagerly (vLLM's enforce_eager)."
+        ),
+    )
     scheduling_policy: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (iteration-level) batching, or the static baseline."
     )

@@ -78,6 +78,8 @@ class LLMEngine:
             num_blocks=cfg.num_blocks,
             kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            attention_backend=cfg.attention_backend,
+            compile=cfg.compile,
         )
         pool_tokens = self.runner.num_blocks * cfg.block_size
         context = self.runner.shape.max_position_embeddings or pool_tokens
@@ -101,9 +103,10 @@ class LLMEngine:
             policy=cfg.scheduling_policy,
         )
         self.vocab_size = self.runner.model.get_output_embeddings().weight.shape[0]
-        started = time.perf_counter()
-        if warmed := self.runner.warm_up_step_shapes(cfg.max_num_batched_tokens, cfg.max_num_seqs):
-            logger.info("built the matmuls of %d padded step shapes in %.2f s", warmed, time.perf_counter() - started)
+        self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
+        self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        if self.warm_up_report:
+            logger.info("engine warm-up: %s", self.warm_up_report)
         self.eos_token_ids = self._eos_token_ids()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -245,6 +248,8 @@ class LLMEngine:
         except Exception as exc:
             raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
         self.last_step_output = out
+        for request_id in self.scheduler.take_released():
+            self.runner.forget(request_id)
         if out.is_empty:
             return []
         metrics = self.metrics

@@ -2,8 +2,8 @@
 
 A *slot* is one token's place in the pool: ``slot = block_id * block_size + offset`` (vLLM's
 ``slot_mapping``). Each layer's cache is stored flat as ``[num_blocks * block_size, num_kv_heads,
-head_dim]`` so that writing a step's new K/V is one ``index_copy_`` and reading a request's
-context is one gather through its block table.
+head_dim]`` so that writing a step's new K/V is one ``index_copy_`` at the step's slots; the
+attention backends (``replica.attention_backends``) read it through block tables.
 """
 
 from __future__ import annotations
@@ -49,31 +49,3 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
-
-    def write(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """Store new K/V: ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` ``[num_tokens]``."""
-        self.key_cache[layer].index_copy_(0, slot_mapping, key.to(self.key_cache[layer].dtype))
-        self.value_cache[layer].index_copy_(0, slot_mapping, value.to(self.value_cache[layer].dtype))
-
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read contexts through block tables.
-
-        Args:
-            block_tables: ``[num_seqs, max_blocks]`` block ids (pad with any valid id; the
-                caller masks positions past each sequence's length).
-        Returns:
-            keys, values: ``[num_seqs, num_kv_heads, max_blocks * block_size, head_dim]``.
-        """
-        num_seqs, max_blocks = block_tables.shape
-        flat_ids = block_tables.reshape(-1)
-        out = []
-        for cache in (self.key_cache[layer], self.value_cache[layer]):
-            # index_select on [num_blocks, block_size * H_kv * D] rows: one contiguous copy per block.
-            blocks = cache.view(self.num_blocks, -1).index_select(0, flat_ids)
-            out.append(
-                blocks.view(num_seqs, max_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-                .transpose(1, 2)
-            )
-        return out[0], out[1]

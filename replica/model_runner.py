@@ -1,48 +1,41 @@
 """Scheduler output → flat tensors → one forward of a transformers model → sampled tokens.
 
-The only engine module that builds tensors. Per step it packs every scheduled token of every
-request into one row (``input_ids`` / ``positions`` / ``slot_mapping``, each ``[num_tokens]``),
-builds the attention metadata once, runs the model once with our paged attention, computes
-logits only at the positions that sample (``logits_to_keep``), and samples.
+The only engine module that builds tensors. Per step it gathers the step's flat inputs from the
+persistent batch (:mod:`replica.input_batch`: ``input_ids``, ``positions``, ``slot_mapping``, each
+``[num_tokens]``, one host-to-device copy), lets the attention backend plan the step once
+(:mod:`replica.attention_backends`), runs the model once with our paged attention, computes logits
+only at the positions that sample (``logits_to_keep``), and samples.
+
+Fast paths (:mod:`replica.compilation`): on CPU in bfloat16/float16 the linear layers use
+oneDNN-prepacked weights and every step is padded to a few token counts
+(:func:`replica.shapes.padded_size`); with ``compile`` (the default) the decoder layers are
+compiled with torch.compile. ``compile=False`` runs the same model eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from replica.attention import AttentionMetadata, PrefillChunk, register_paged_attention
+from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
+from replica.attention_backends import CpuBackend, ReferenceBackend
+from replica.compilation import compile_decoder_layers, prepack_linears, use_compile_cache
+from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block
-from replica.model_loader import load_model, resolve_dtype
+from replica.model_loader import cache_dir, load_model, resolve_dtype
 from replica.request import TokenLogprobs
 from replica.sampler import Sampler
 from replica.scheduler import SchedulerOutput
+from replica.shapes import padded_size
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-EXACT_SIZES_UP_TO = 16
-BUCKETS_PER_OCTAVE = 8
-
-
-def padded_size(n: int) -> int:
-    """The bucket a step of ``n`` rows is padded to on CPU: ``n`` itself up to 16, then the next of
-    8 evenly spaced sizes per power of two (17 → 18, 100 → 104, 500 → 512; at most 12.5 % more).
-
-    Why: oneDNN, which runs torch's bf16 matmuls on CPU, builds (JIT-compiles) and caches one
-    primitive per matmul shape, a few hundred KiB each, and its cache holds up to 1,024 of them
-    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Unpadded, every new token count is a new shape for each
-    linear layer, and a server's memory grew by hundreds of MiB over thousands of requests
-    (``make soak``). Buckets bound the shapes to 56 per linear layer shape for a 512-token budget;
-    the same idea as the padded batch sizes of vLLM's CUDA graphs and XLA backends.
-    """
-    if n <= EXACT_SIZES_UP_TO:
-        return n
-    octave = (n - 1).bit_length() - 1  # 2**octave < n <= 2**(octave + 1)
-    step = max(1, (1 << octave) // BUCKETS_PER_OCTAVE)
-    return -(-n // step) * step
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 
 @dataclass
@@ -81,7 +74,7 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, the paged KV cache and the sampler of one engine.
+    """Owns the model, the paged KV cache, the attention backend and the sampler of one engine.
 
     Args:
         model_path: local folder of the model (see ``replica.model_loader.resolve_model_path``).
@@ -89,6 +82,10 @@ class ModelRunner:
         block_size: tokens per block.
         num_blocks / kv_cache_memory: the pool size in blocks, or a byte budget (see
             :meth:`_decide_num_blocks`).
+        attention_backend: ``auto`` (the device's fast backend), ``reference``, ``cpu`` or ``cuda``.
+        compile: torch.compile the decoder layers (see :mod:`replica.compilation`).
+    Raises:
+        ValueError: an unknown or unavailable attention backend.
     """
 
     def __init__(
@@ -101,6 +98,8 @@ class ModelRunner:
         num_blocks: int | None,
         kv_cache_memory: int | None,
         gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
+        compile: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
@@ -111,10 +110,7 @@ class ModelRunner:
         self.shape = model_shape(self.model.config)
         self.hf_config = self.model.config
         self.num_blocks = self._decide_num_blocks(num_blocks, kv_cache_memory, gpu_memory_utilization)
-        # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
-        # a few sizes (see padded_size); padding tokens write their K/V into one extra block that
-        # no block table holds.
-        self.pad_steps = self.device.type == "cpu" and self.dtype != torch.float32
+        # Padding tokens write their K/V into one extra block that no block table holds.
         self.padding_slot = self.num_blocks * block_size
         self.kv_cache = PagedKVCache(
             num_layers=self.shape.num_layers,
@@ -125,7 +121,58 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.compiled = compile
+        self.backend = self._make_backend(attention_backend)
+        attach_kv_cache(self.model, self.kv_cache.key_cache, self.kv_cache.value_cache)
+        sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
+        self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" and sixteen_bit else 0
+        if compile:
+            use_compile_cache(str(cache_dir() / "inductor"))
+            compile_decoder_layers(self.model)
+        # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
+        # a few sizes (see padded_size).
+        self.pad_steps = self.device.type == "cpu" and sixteen_bit
         self.sampler = Sampler()
+        self.input_batch: InputBatch | None = None
+
+    def _make_backend(self, name: str):
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+        if name == "auto":
+            name = self.device.type if self.device.type in ("cpu", "cuda") else "reference"
+        if name == "reference":
+            return ReferenceBackend(self.block_size, self.device)
+        if name == "cpu":
+            if self.device.type != "cpu":
+                raise ValueError("attention_backend 'cpu' needs device 'cpu'")
+            return CpuBackend(
+                self.block_size, self.device, compiled=self.compiled, kernel_cache=str(cache_dir() / "torch_extensions")
+            )
+        if self.device.type != "cuda":
+            raise ValueError("attention_backend 'cuda' needs a CUDA device")
+        from replica.attention_cuda import CudaBackend
+
+        return CudaBackend(self.block_size, self.device)
+
+    @property
+    def pad_steps(self) -> bool:
+        """Pad each step's token count and logits rows (and the prefill attention's query and
+        key lengths) to :func:`padded_size` buckets."""
+        return self._pad_steps
+
+    @pad_steps.setter
+    def pad_steps(self, value: bool) -> None:
+        self._pad_steps = value
+        if isinstance(self.backend, CpuBackend):
+            self.backend.pad_shapes = value
+
+    def init_batch(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens)."""
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the running batch (finished, aborted or preempted)."""
+        self.input_batch.forget(request_id)
 
     def _decide_num_blocks(
         self, num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float
@@ -156,18 +203,36 @@ class ModelRunner:
         return int(blocks)
 
     @torch.inference_mode()
-    def warm_up_step_shapes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        """Run every distinct linear layer once at every padded step size, so that oneDNN builds
-        all its matmul primitives now: memory is flat from the first request, and no request
-        waits for a JIT compile (about 1 ms per primitive). A no-op unless ``pad_steps``.
+    def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:
+        """Do at engine start what would otherwise slow the first requests down or grow memory
+        while serving; returns what it did (counts and seconds).
 
-        Sizes: every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers
-        inside the model, up to ``max_num_seqs`` rows for the output embedding (the logits). Costs
-        about as much compute as 16 full steps' worth of one decoder layer's linears. Returns the
-        number of matmuls run.
+        * With step padding: run every distinct linear layer once at every padded step size, so
+          that oneDNN builds all its matmul primitives now (about 1 ms each): every
+          :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
+          model, up to ``max_num_seqs`` rows for the output embedding.
+        * With compile: run dummy steps (decode-only ones of 1 to 3 tokens over block tables
+          1 to 3 blocks wide, and mixed ones) so that every graph the decoder layers and the
+          decode kernel need is compiled (or loaded from the compile cache) before the first
+          request: dynamo specializes sizes of 1, so each of those dimensions needs a 1 and a
+          larger size.
         """
-        if not self.pad_steps:
-            return 0
+        report: dict[str, float] = {}
+        if self.pad_steps:
+            started = time.perf_counter()
+            report["matmuls"] = self._warm_up_matmuls(max_num_batched_tokens, max_num_seqs)
+            report["matmuls_s"] = time.perf_counter() - started
+        if self.compiled:
+            started = time.perf_counter()
+            for decodes in (0, 1, 2):
+                for width in (1, 2):
+                    if decodes:
+                        self._dummy_step([1] * decodes, width)
+                    self._dummy_step([2] + [1] * decodes, width)
+            report["compile_s"] = time.perf_counter() - started
+        return report
+
+    def _warm_up_matmuls(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         output = self.model.get_output_embeddings()
         layers: dict[tuple, torch.nn.Linear] = {}
         for module in self.model.modules():
@@ -183,78 +248,70 @@ class ModelRunner:
                 runs += 1
         return runs
 
+    def _dummy_step(self, query_lens: list[int], width: int) -> None:
+        """One forward of sequences of ``query_lens`` tokens over ``width``-block tables, all on
+        the spare block (written and read only by padding)."""
+        from replica.attention import StepSequences
+
+        counts = np.array(query_lens, dtype=np.int64)
+        n = int(counts.sum())
+        seq_lens = counts + (width - 1) * self.block_size
+        step = StepSequences(
+            query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            query_lens=counts,
+            context_lens=seq_lens - counts,
+            seq_lens=seq_lens,
+            block_tables=np.full((len(counts), width), self.num_blocks, dtype=np.int64),
+            slot_mapping=np.full(n, self.padding_slot, dtype=np.int64),
+            num_tokens=n,
+        )
+        extra = {}
+        if self.backend.inline_decode and (counts == 1).all():
+            extra["carpool_decode"] = DecodeStep(*to_device(self._decode_arrays(step), self.device), block_size=self.block_size)
+        else:
+            self.backend.plan(step)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        with running_step(self.backend):
+            self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **extra)
+
+    def _decode_arrays(self, seqs) -> list[np.ndarray]:
+        """A decode-only step's attention inputs, padding tokens as one-token sequences on the spare block."""
+        num_real = seqs.num_seqs
+        extra = seqs.num_tokens - num_real
+        tables, lens = seqs.block_tables, seqs.seq_lens
+        if extra:
+            pad_tables = np.full((extra, tables.shape[1]), self.num_blocks, dtype=tables.dtype)
+            tables = np.concatenate([tables, pad_tables])
+            lens = np.concatenate([lens, np.ones(extra, dtype=lens.dtype)])
+        return [seqs.slot_mapping, tables, lens]
+
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward for ``out`` and sample the rows that reach their last known token."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_tokens: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        logits_rows: list[int] = []
-        sample_rows: list[int] = []  # index into out.scheduled of each logits row
-
-        for row, sched in enumerate(out.scheduled):
-            request, start, n = sched.request, sched.start, sched.num_new_tokens
-            first = len(input_ids)
-            if sched.is_padding:
-                input_ids.append(request.token_at(request.num_tokens - 1))
-            elif n == 1:
-                input_ids.append(request.token_at(start))
-            else:
-                input_ids.extend(request.all_token_ids[start : start + n])
-            table = request.block_ids
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_tokens.append(first)
-                decode_tables.append(table[: (start + bs) // bs])
-                decode_lens.append(start + 1)
-            else:
-                prefills.append(self._prefill_chunk(first, n, start, table))
-            if sched.samples:
-                logits_rows.append(first + n - 1)
-                sample_rows.append(row)
-
-        num_real_rows = len(logits_rows)
-        if self.pad_steps:
-            # Step padding (not the static policy's padding rows, ``sched.is_padding``).
-            num_pad_tokens = padded_size(len(input_ids)) - len(input_ids)
-            input_ids.extend([0] * num_pad_tokens)
-            positions.extend([0] * num_pad_tokens)
-            slots.extend([self.padding_slot] * num_pad_tokens)
-            if logits_rows:
-                logits_rows.extend([logits_rows[-1]] * (padded_size(num_real_rows) - num_real_rows))
-
-        meta = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_tokens=len(input_ids),
-            prefills=prefills,
-        )
-        if decode_tokens:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_token_indices = torch.tensor(decode_tokens, dtype=torch.long, device=self.device)
-            meta.decode_block_tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=self.device
-            )
-            lens = torch.tensor(decode_lens, device=self.device)
-            meta.decode_mask = (torch.arange(width * bs, device=self.device)[None, :] < lens[:, None])[
-                :, None, None, :
-            ]
-
+        inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps)
+        seqs = inputs.sequences
+        arrays = [inputs.input_ids[None], inputs.positions[None], inputs.logits_indices]
+        decode_only = self.compiled and self.backend.inline_decode and bool((seqs.query_lens == 1).all())
+        if decode_only:
+            arrays += self._decode_arrays(seqs)
+        else:
+            self.backend.plan(seqs)
+        input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
+        extra = {}
+        if decode_only:
+            extra["carpool_decode"] = DecodeStep(*decode, block_size=self.block_size)
+        sample_rows = inputs.sample_rows
+        num_real_rows = len(sample_rows)
         result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
-        logits = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            carpool_metadata=meta,
-        ).logits[0, :num_real_rows]  # [num_sampling_rows, vocab]
+        with running_step(self.backend):
+            logits = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=logits_indices,
+                **extra,
+            ).logits[0, :num_real_rows]  # [num_sampling_rows, vocab]
         if not sample_rows:
             return result
 
@@ -292,14 +349,3 @@ class ModelRunner:
             for i, token_id in zip(padding, logits[padding].argmax(dim=-1).tolist()):
                 result.sampled_token_ids[sample_rows[i]] = token_id
         return result
-
-    def _prefill_chunk(self, first: int, n: int, start: int, table: list[int]) -> PrefillChunk:
-        chunk = PrefillChunk(token_start=first, token_end=first + n, context_start=start)
-        if start > 0:
-            bs = self.block_size
-            num_blocks = -(-(start + n) // bs)
-            chunk.block_table = torch.tensor([table[:num_blocks]], dtype=torch.long, device=self.device)
-            key_pos = torch.arange(num_blocks * bs, device=self.device)
-            query_pos = torch.arange(start, start + n, device=self.device)
-            chunk.mask = (key_pos[None, :] <= query_pos[:, None])[None, None]
-        return chunk

@@ -93,6 +93,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self._released: list[str] = []  # requests that left the running batch (see take_released)
 
     # ---- queue state -----------------------------------------------------------------------
     @property
@@ -110,6 +111,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting) or any(not r.is_padding for r in self.running)
+
+    def take_released(self) -> list[str]:
+        """Ids of the requests removed or preempted since the last call (their persistent-batch
+        rows are free); the engine passes them to the model runner before each forward."""
+        released, self._released = self._released, []
+        return released
 
     # ---- adding and removing -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -162,6 +169,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.block_ids = []
         self.requests.pop(request.request_id, None)
+        self._released.append(request.request_id)
 
     def _release_static_batch_if_done(self) -> None:
         if self.policy == "static" and self.running and all(r.is_padding for r in self.running):
@@ -278,6 +286,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.block_manager.free(request.request_id)
         request.block_ids = []
+        self._released.append(request.request_id)
         if request.is_padding:
             request.num_computed_tokens = self.max_model_len  # never computed again
             return

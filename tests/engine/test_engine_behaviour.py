@@ -518,7 +518,7 @@ def test_out_of_range_seed_and_non_bool_flags_are_refused(field, value):
 
 def test_padded_size_buckets():
     """Exact up to 16 rows, then at most 12.5 % padding, and few distinct sizes for a 512 budget."""
-    from replica.model_runner import padded_size
+    from replica.shapes import padded_size
 
     assert [padded_size(n) for n in range(1, 17)] == list(range(1, 17))
     for n in range(17, 4097):
@@ -531,7 +531,7 @@ def test_padded_size_buckets():
 def test_padded_steps_keep_tokens_and_bound_shapes(llm, engine):
     """With step padding on, each step's token count and logits rows are padded to their bucket
     (the model only sees bucket sizes), and every request's tokens are the same as with it off."""
-    from replica.model_runner import padded_size
+    from replica.shapes import padded_size
 
     runner = engine.runner
     prompts = [[(101 + 37 * i + 11 * j) % 2000 + 50 for j in range(3 + 5 * i)] for i in range(12)]
@@ -563,21 +563,17 @@ def test_padded_steps_keep_tokens_and_bound_shapes(llm, engine):
     assert_idle(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefill chunks reach SDPA at their own lengths; padding their keys changes bf16 logprobs",
-)
 def test_padded_steps_bound_the_attention_shapes(tiny_llama, monkeypatch):
-    """Prefill attention should see bucket sizes too: torch's 16-bit attention on CPU (flash
-    attention on oneDNN brgemm kernels) builds and keeps a kernel per new query/key length, so
-    chunks of ever new lengths still grow a replica's memory with step padding on (tiny Llama in
-    bf16: +174 MiB over prompts of 17 to 1,016 tokens, flat on a second pass; +20 MiB with chunks
-    padded). Known gap: padding a chunk's keys (even masked) changes the kernel's blocking and so
-    bf16 logprobs by up to 0.06, so it is not done. First chunks and later chunks (a budget of 40
-    splits the long prompts) must keep their tokens."""
+    """Prefill attention sees bucket sizes too: torch's 16-bit attention on CPU (flash attention on
+    oneDNN brgemm kernels) builds and keeps a kernel per new query/key length, so chunks of ever
+    new lengths grew a replica's memory even with step padding on (tiny Llama in bf16: +174 MiB
+    over prompts of 17 to 1,016 tokens, flat on a second pass). The CPU backend runs all prefill
+    chunks of a step in one SDPA call whose query and key lengths are buckets when the step is
+    padded. First chunks and later chunks (a budget of 40 splits the long prompts) keep their
+    tokens."""
     import torch.nn.functional as F
 
-    from replica.model_runner import padded_size
+    from replica.shapes import padded_size
 
     llm = LLM(
         model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=40,

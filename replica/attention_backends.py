@@ -1,0 +1,190 @@
+"""Attention backends: how a step's sequences attend through their block tables, per device.
+
+* :class:`ReferenceBackend` (``attention_backend="reference"``): one SDPA call per sequence over
+  its context gathered from the cache. Obviously right and slow; the fast backends are tested
+  against it.
+* :class:`CpuBackend` (the default on CPU): all decodes of a step in one call of Carpool's C++
+  paged decode kernel (:mod:`replica.cpu_kernels`; where it cannot be built, the compiled
+  :func:`decode_attention`, in which inductor fuses the block-table gather into the dot products),
+  and all prefill chunks in one SDPA call over a padded batch whose
+  query and key lengths are bucketed (:func:`replica.shapes.padded_size`) when the step is padded, so
+  that the kernels torch builds per shape stay few. Without compile, decodes go through one SDPA
+  call over their gathered contexts.
+* :class:`CudaBackend` (the default on CUDA, :mod:`replica.attention_cuda`): FlashInfer's paged
+  kernels when ``flashinfer`` is installed, else torch's varlen flash attention.
+
+Every backend writes the step's new K/V first (``index_copy_`` at ``slot_mapping``) and returns
+zeros for the padding tokens of a padded step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from replica import cpu_kernels
+from replica.attention import AttentionBackend, StepSequences
+from replica.decode_attention import decode_attention
+from replica.shapes import padded_size
+
+
+def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
+    """Store a step's new K/V ``[T, H_kv, D]`` at ``slot_mapping`` ``[T]`` of the caches ``[slots, H_kv, D]``."""
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Contexts through block tables: ``cache`` ``[slots, H_kv, D]``, ``block_tables`` ``[S, W]``
+    → ``[S, H_kv, W * block_size, D]`` (a copy: one contiguous read per block)."""
+    num_seqs, width = block_tables.shape
+    rows = cache.view(-1, block_size * cache.shape[1] * cache.shape[2]).index_select(0, block_tables.reshape(-1))
+    return rows.view(num_seqs, width * block_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
+
+
+class ReferenceBackend(AttentionBackend):
+    """One SDPA call per sequence, over its whole context gathered from the cache (the test oracle)."""
+
+    name = "reference"
+    inline_decode = False
+
+    def plan(self, step: StepSequences) -> None:
+        self.step = step
+        dev = self.device
+        self.slot_mapping = torch.as_tensor(step.slot_mapping, device=dev)
+        widths = -(-step.seq_lens // self.block_size)
+        self.tables = [torch.as_tensor(step.block_tables[i, : widths[i]], device=dev) for i in range(step.num_seqs)]
+
+    def forward(self, query, key, value, key_cache, value_cache, scale):
+        step = self.step
+        write_kv(key_cache, value_cache, key, value, self.slot_mapping)
+        out = query.new_zeros(step.num_tokens, query.shape[1], query.shape[2])
+        for i in range(step.num_seqs):
+            start, n, ctx = int(step.query_start[i]), int(step.query_lens[i]), int(step.context_lens[i])
+            total = ctx + n
+            k = gather_context(key_cache, self.tables[i][None], self.block_size)[:, :, :total]
+            v = gather_context(value_cache, self.tables[i][None], self.block_size)[:, :, :total]
+            q = query[start : start + n].transpose(0, 1)[None]  # [1, H, n, D]
+            mask = torch.arange(total, device=q.device)[None, :] <= torch.arange(ctx, total, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out
+
+
+class CpuBackend(AttentionBackend):
+    """Decodes in one compiled kernel call, prefill chunks in one padded SDPA call (module docstring).
+
+    Args:
+        compiled: where Carpool's C++ kernel (:mod:`replica.cpu_kernels`) cannot be built, compile
+            :func:`decode_attention` with inductor (else decodes go through SDPA on gathered contexts).
+        kernel_cache: where the C++ kernel is built and cached.
+        pad_shapes: bucket the prefill batch's query and key lengths (see :func:`padded_size`); the
+            model runner sets it with step padding.
+    """
+
+    name = "cpu"
+    inline_decode = True  # decode-only steps may trace decode_attention into the compiled layers
+
+    def __init__(
+        self, block_size: int, device: torch.device, *, compiled: bool, pad_shapes: bool = False,
+        kernel_cache: str | None = None,
+    ) -> None:
+        super().__init__(block_size, device)
+        self.compiled = compiled
+        self.pad_shapes = pad_shapes
+        self.kernel = cpu_kernels.load(kernel_cache)
+        use_inductor = compiled and not self.kernel
+        self._decode_kernel = torch.compile(decode_attention, dynamic=True) if use_inductor else None
+
+    def plan(self, step: StepSequences) -> None:
+        bs = self.block_size
+        self.num_tokens = step.num_tokens
+        self.slot_mapping = torch.from_numpy(step.slot_mapping)
+        decode = np.flatnonzero(step.query_lens == 1)
+        prefill = np.flatnonzero(step.query_lens > 1)
+        self.decode = None
+        self.decode_all = len(decode) == step.num_tokens
+        if len(decode):
+            lens = step.seq_lens[decode]
+            width = int(-(-lens.max() // bs))
+            self.decode = (
+                torch.from_numpy(step.query_start[decode]),
+                torch.from_numpy(np.ascontiguousarray(step.block_tables[decode, :width])),
+                torch.from_numpy(lens),
+                width,
+            )
+        self.prefill = self._plan_prefill(step, prefill) if len(prefill) else None
+
+    def _plan_prefill(self, step: StepSequences, seqs: np.ndarray):
+        """Index arrays of one padded SDPA call over the prefill chunks ``seqs``."""
+        bs = self.block_size
+        q_lens, ctx, lens = step.query_lens[seqs], step.context_lens[seqs], step.seq_lens[seqs]
+        q_max, k_max = int(q_lens.max()), int(-(-lens.max() // bs) * bs)
+        if self.pad_shapes:
+            q_max, k_max = padded_size(q_max), padded_size(k_max)
+        width = -(-k_max // bs)
+        tables = np.zeros((len(seqs), width), dtype=step.block_tables.dtype)
+        have = min(width, step.block_tables.shape[1])
+        tables[:, :have] = step.block_tables[seqs, :have]
+        offsets = np.arange(q_max)
+        valid = offsets[None, :] < q_lens[:, None]  # [P, Qmax]
+        tokens = (step.query_start[seqs][:, None] + offsets[None, :])[valid]  # packed token of each valid slot
+        q_pos = ctx[:, None] + offsets[None, :]  # [P, Qmax]
+        k_pos = np.arange(k_max)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+        return (
+            torch.from_numpy(tokens),
+            torch.from_numpy(np.flatnonzero(valid.reshape(-1))),
+            torch.from_numpy(tables),
+            torch.from_numpy(mask[:, None]),
+            q_max,
+            k_max,
+        )
+
+    def forward(self, query, key, value, key_cache, value_cache, scale):
+        write_kv(key_cache, value_cache, key, value, self.slot_mapping)
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        if self.prefill is None and self.decode is not None and self.decode_all:
+            # Every token is a decode, in order, and none pads the step: no scatter needed.
+            _, tables, lens, width = self.decode
+            return self._decode(query, key_cache, value_cache, tables, lens, width, scale)
+        out = query.new_zeros(self.num_tokens, num_heads, head_dim)
+        if self.decode is not None:
+            tokens, tables, lens, width = self.decode
+            o = self._decode(query.index_select(0, tokens), key_cache, value_cache, tables, lens, width, scale)
+            out.index_copy_(0, tokens, o)
+        if self.prefill is not None:
+            tokens, slots, tables, mask, q_max, k_max = self.prefill
+            num_seqs = tables.shape[0]
+            q = query.new_zeros(num_seqs * q_max, num_heads, head_dim)
+            q.index_copy_(0, slots, query.index_select(0, tokens))
+            q = q.view(num_seqs, q_max, num_heads, head_dim).transpose(1, 2)
+            k = gather_context(key_cache, tables, self.block_size)[:, :, :k_max]
+            v = gather_context(value_cache, tables, self.block_size)[:, :, :k_max]
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(num_seqs * q_max, num_heads, head_dim)
+            out.index_copy_(0, tokens, o.index_select(0, slots))
+        return out
+
+    def _decode(self, q, key_cache, value_cache, tables, lens, width, scale):
+        if cpu_kernels.available():  # K/V are already written: attend only (no new tokens)
+            empty = q.new_empty(0, key_cache.shape[1], key_cache.shape[2])
+            no_slots = torch.empty(0, dtype=torch.long)
+            return torch.ops.carpool_cpu.decode_attention(
+                q, empty, empty, key_cache, value_cache, no_slots, tables, lens, self.block_size, scale
+            )
+        if self._decode_kernel is not None:
+            return self._decode_kernel(q, key_cache, value_cache, tables, lens, width * self.block_size, self.block_size, scale)
+        return self._decode_sdpa(q, key_cache, value_cache, tables, lens, width, scale)
+
+    def _decode_sdpa(self, q, key_cache, value_cache, tables, lens, width, scale):
+        k = gather_context(key_cache, tables, self.block_size)
+        v = gather_context(value_cache, tables, self.block_size)
+        mask = (torch.arange(width * self.block_size)[None, :] < lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)

@@ -1,0 +1,162 @@
+"""The persistent batch: every running request's token ids and block table in preallocated host
+arrays, updated in place for what changed, from which a step's flat inputs are gathered.
+
+The idea of vLLM v1's ``InputBatch``: a request gets a row when it is first scheduled and keeps it
+until it finishes or is preempted (the engine calls :meth:`InputBatch.forget`). Each step writes
+only its new tokens (a decode: one) and its new blocks into the row; the step's ``input_ids``,
+``positions`` and ``slot_mapping`` are then a handful of numpy gathers over all its tokens, not a
+Python loop per token. Plain numpy, no torch: the model runner turns the arrays into tensors with
+one host-to-device copy (:func:`to_device`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from replica.attention import StepSequences
+from replica.shapes import padded_size
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs (host arrays; ``T`` = tokens after step padding).
+
+    ``input_ids``, ``positions``: ``[T]``; ``logits_indices``: ``[R]`` (the packed token whose
+    logits each sampling row takes, padded to a bucket when the step is padded);
+    ``sample_rows``: ``[num_real_rows]``, the index into the scheduled rows of each real logits row.
+    ``sequences`` is what the attention backend plans from.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    sample_rows: list[int]
+    sequences: StepSequences
+
+
+class InputBatch:
+    """Rows of token ids and block tables for up to ``max_rows`` running requests.
+
+    Args:
+        max_rows: seats (``max_num_seqs``).
+        max_model_len: tokens per request at most (the row length).
+        block_size: tokens per KV block.
+        padding_slot: the KV slot that padding tokens write to (held by no block table).
+    """
+
+    def __init__(self, max_rows: int, max_model_len: int, block_size: int, padding_slot: int) -> None:
+        self.block_size = block_size
+        self.padding_slot = padding_slot
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int64)
+        self._num_tokens = [0] * max_rows  # tokens written per row
+        self._num_blocks = [0] * max_rows  # block ids written per row
+        self._row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    @property
+    def num_rows_used(self) -> int:
+        return len(self._row_of)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was preempted: its row is free (a preempted request gets a new
+        row, rewritten whole, when it is scheduled again)."""
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _sync(self, request) -> int:
+        """The request's row, with its tokens and blocks written up to now (O(what changed))."""
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            if not self._free_rows:
+                raise RuntimeError(f"input batch full ({len(self._row_of)} rows): a finished request was not forgotten")
+            row = self._free_rows.pop()
+            self._row_of[request.request_id] = row
+            self._num_tokens[row] = self._num_blocks[row] = 0
+        have, total = self._num_tokens[row], request.num_tokens
+        if have < total:
+            prompt = request.prompt_token_ids
+            if have < len(prompt):
+                self.token_ids[row, have : len(prompt)] = prompt[have:]
+                have = len(prompt)
+            if have < total:
+                self.token_ids[row, have:total] = request.output_token_ids[have - len(prompt) :]
+            self._num_tokens[row] = total
+        blocks = request.block_ids
+        have = self._num_blocks[row]
+        if have < len(blocks):
+            self.block_table[row, have : len(blocks)] = blocks[have:]
+            self._num_blocks[row] = len(blocks)
+        return row
+
+    def prepare(self, scheduled, *, pad: bool) -> StepInputs:
+        """Flat inputs of one step from the scheduler's rows (``ScheduledRequest``s).
+
+        With ``pad``, the token count and the logits rows are padded to :func:`padded_size`:
+        padding tokens have id 0, position 0 and write their K/V to ``padding_slot``.
+        """
+        num_seqs = len(scheduled)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        counts = np.empty(num_seqs, dtype=np.int64)
+        samples = np.zeros(num_seqs, dtype=bool)
+        padding_seqs = []
+        for i, sched in enumerate(scheduled):
+            rows[i] = self._sync(sched.request)
+            starts[i] = sched.start
+            counts[i] = sched.num_new_tokens
+            samples[i] = sched.samples
+            if sched.is_padding:
+                padding_seqs.append(i)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        num_real = int(query_start[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(num_real) - query_start[seq_of_token] + starts[seq_of_token]
+        token_rows = rows[seq_of_token]
+        input_ids = self.token_ids[token_rows, positions]
+        for i in padding_seqs:  # static policy: a finished member recomputes its last token
+            input_ids[query_start[i]] = self.token_ids[rows[i], self._num_tokens[rows[i]] - 1]
+        bs = self.block_size
+        slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = starts + counts
+        width = int(-(-seq_lens.max() // bs))
+        logits_indices = query_start[1:][samples] - 1
+        sample_rows = np.flatnonzero(samples).tolist()
+        num_tokens = num_real
+        if pad:
+            num_tokens = padded_size(num_real)
+            extra = num_tokens - num_real
+            input_ids = np.concatenate([input_ids, np.zeros(extra, dtype=np.int64)])
+            positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
+            slots = np.concatenate([slots, np.full(extra, self.padding_slot, dtype=np.int64)])
+            if len(logits_indices):
+                n = len(logits_indices)
+                logits_indices = np.concatenate([logits_indices, np.full(padded_size(n) - n, logits_indices[-1])])
+        sequences = StepSequences(
+            query_start=query_start,
+            query_lens=counts,
+            context_lens=starts,
+            seq_lens=seq_lens,
+            block_tables=self.block_table[rows, :width],
+            slot_mapping=slots,
+            num_tokens=num_tokens,
+        )
+        return StepInputs(input_ids, positions, logits_indices, sample_rows, sequences)
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 host arrays as tensors on ``device``: views on CPU; on CUDA one pinned staging buffer
+    and one host-to-device copy for all of them (non-blocking)."""
+    if device.type == "cpu":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    sizes = [a.size for a in arrays]
+    staging = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    np.concatenate([a.reshape(-1) for a in arrays], out=staging.numpy())
+    flat = staging.to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(flat.split(sizes), arrays)]
