@@ -1,5 +1,6 @@
-"""Carpool's own CPU kernel: paged decode attention (``replica/csrc/cpu_attention.cpp``), built on
-first use with torch's C++ extension loader and cached.
+"""Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp``), built on first use with torch's C++
+extension loader and cached: paged decode attention, and the call of oneDNN's prepacked linear
+without Python in between (``packed_linear``).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
 torch's own options read each sequence's context far below what the core can do. Measured on the
@@ -9,7 +10,7 @@ torch's own options read each sequence's context far below what the core can do.
 see ``docs/bench/cpu-attention.md``. It is tested against the reference backend (SDPA).
 
 :func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the op
-``torch.ops.carpool_cpu.decode_attention``; it returns False, once with a warning, where it
+``torch.ops.carpool_cpu.decode_attention`` and ``torch.ops.carpool_cpu.packed_linear``; it returns False, once with a warning, where it
 cannot be built (the engine then uses the compiled formulation).
 """
 
@@ -23,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _state: dict[str, bool] = {}
 
 
@@ -59,6 +60,10 @@ def load(cache_root: str | None = None) -> bool:
     @torch.library.register_fake("carpool_cpu::decode_attention")
     def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, block_size, scale):
         return torch.empty_like(query)
+
+    @torch.library.register_fake("carpool_cpu::packed_linear")
+    def _(x, packed_weight, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
 
     _state["ok"] = True
     return True

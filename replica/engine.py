@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from torch.profiler import record_function
+
 from replica.config import EngineConfig
 from replica.block_manager import BlockManager
 from replica.detokenizer import IncrementalDetokenizer
@@ -244,7 +246,8 @@ class LLMEngine:
         """
         started = time.monotonic()
         try:
-            out = self.scheduler.schedule()
+            with record_function("carpool.schedule"):
+                out = self.scheduler.schedule()
         except Exception as exc:
             raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
         self.last_step_output = out
@@ -272,13 +275,15 @@ class LLMEngine:
         logprobs_of = {
             id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
         }
-        produced = self.scheduler.update_from_output(out, result.sampled_token_ids)
+        with record_function("carpool.update"):
+            produced = self.scheduler.update_from_output(out, result.sampled_token_ids)
         now = time.monotonic()
-        for request in produced:
-            try:
-                outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
-            except Exception as exc:
-                outputs.append(self._fail_request(request, exc))
+        with record_function("carpool.detokenize"):
+            for request in produced:
+                try:
+                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
+                except Exception as exc:
+                    outputs.append(self._fail_request(request, exc))
         if metrics is not None:
             metrics.on_step(
                 num_tokens=out.num_batched_tokens,

@@ -94,11 +94,12 @@ class InputBatch:
             self._num_blocks[row] = len(blocks)
         return row
 
-    def prepare(self, scheduled, *, pad: bool) -> StepInputs:
+    def prepare(self, scheduled, *, pad: bool, min_tokens: int = 1) -> StepInputs:
         """Flat inputs of one step from the scheduler's rows (``ScheduledRequest``s).
 
-        With ``pad``, the token count and the logits rows are padded to :func:`padded_size`:
-        padding tokens have id 0, position 0 and write their K/V to ``padding_slot``.
+        With ``pad``, the token count and the logits rows are padded to :func:`padded_size`;
+        the token count is also padded up to ``min_tokens``. Padding tokens have id 0, position 0
+        and write their K/V to ``padding_slot``.
         """
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=np.int64)
@@ -128,14 +129,13 @@ class InputBatch:
         width = int(-(-seq_lens.max() // bs))
         logits_indices = query_start[1:][samples] - 1
         sample_rows = np.flatnonzero(samples).tolist()
-        num_tokens = num_real
-        if pad:
-            num_tokens = padded_size(num_real)
+        num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens)
+        if num_tokens > num_real:
             extra = num_tokens - num_real
             input_ids = np.concatenate([input_ids, np.zeros(extra, dtype=np.int64)])
             positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
             slots = np.concatenate([slots, np.full(extra, self.padding_slot, dtype=np.int64)])
-            if len(logits_indices):
+            if pad and len(logits_indices):
                 n = len(logits_indices)
                 logits_indices = np.concatenate([logits_indices, np.full(padded_size(n) - n, logits_indices[-1])])
         sequences = StepSequences(

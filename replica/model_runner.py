@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
 from replica.attention_backends import CpuBackend, ReferenceBackend
-from replica.compilation import compile_decoder_layers, prepack_linears, use_compile_cache
+from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block
 from replica.model_loader import cache_dir, load_model, resolve_dtype
@@ -128,7 +129,9 @@ class ModelRunner:
         self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" and sixteen_bit else 0
         if compile:
             use_compile_cache(str(cache_dir() / "inductor"))
-            compile_decoder_layers(self.model)
+            compile_decoder(self.model)
+        # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
+        self.min_step_tokens = 2 if compile else 1
         # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
         # a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
@@ -152,7 +155,10 @@ class ModelRunner:
             raise ValueError("attention_backend 'cuda' needs a CUDA device")
         from replica.attention_cuda import CudaBackend
 
-        return CudaBackend(self.block_size, self.device)
+        backend = CudaBackend(self.block_size, self.device)
+        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        backend.configure(text.num_attention_heads, self.shape.num_kv_heads, self.shape.head_dim, self.dtype)
+        return backend
 
     @property
     def pad_steps(self) -> bool:
@@ -211,11 +217,9 @@ class ModelRunner:
           that oneDNN builds all its matmul primitives now (about 1 ms each): every
           :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
           model, up to ``max_num_seqs`` rows for the output embedding.
-        * With compile: run dummy steps (decode-only ones of 1 to 3 tokens over block tables
-          1 to 3 blocks wide, and mixed ones) so that every graph the decoder layers and the
-          decode kernel need is compiled (or loaded from the compile cache) before the first
-          request: dynamo specializes sizes of 1, so each of those dimensions needs a 1 and a
-          larger size.
+        * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
+          graphs of the compiled decoder are compiled (or loaded from the compile cache) before
+          the first request.
         """
         report: dict[str, float] = {}
         if self.pad_steps:
@@ -224,11 +228,8 @@ class ModelRunner:
             report["matmuls_s"] = time.perf_counter() - started
         if self.compiled:
             started = time.perf_counter()
-            for decodes in (0, 1, 2):
-                for width in (1, 2):
-                    if decodes:
-                        self._dummy_step([1] * decodes, width)
-                    self._dummy_step([2] + [1] * decodes, width)
+            for query_lens in ([1, 1], [2, 1], [1, 1, 1], [2, 1, 1]):
+                self._dummy_step(query_lens, len(query_lens))
             report["compile_s"] = time.perf_counter() - started
         return report
 
@@ -271,14 +272,19 @@ class ModelRunner:
         else:
             self.backend.plan(step)
         ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        positions = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        if self.compiled:
+            mark_step_dynamic(ids, positions, extra.get("carpool_decode"))
         with running_step(self.backend):
-            self.model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **extra)
+            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **extra)
 
     def _decode_arrays(self, seqs) -> list[np.ndarray]:
         """A decode-only step's attention inputs, padding tokens as one-token sequences on the spare block."""
         num_real = seqs.num_seqs
         extra = seqs.num_tokens - num_real
         tables, lens = seqs.block_tables, seqs.seq_lens
+        if tables.shape[1] < self.min_step_tokens:
+            tables = np.concatenate([tables, np.full((len(tables), 1), self.num_blocks, dtype=tables.dtype)], axis=1)
         if extra:
             pad_tables = np.full((extra, tables.shape[1]), self.num_blocks, dtype=tables.dtype)
             tables = np.concatenate([tables, pad_tables])
@@ -289,22 +295,25 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward for ``out`` and sample the rows that reach their last known token."""
-        inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps)
-        seqs = inputs.sequences
-        arrays = [inputs.input_ids[None], inputs.positions[None], inputs.logits_indices]
-        decode_only = self.compiled and self.backend.inline_decode and bool((seqs.query_lens == 1).all())
-        if decode_only:
-            arrays += self._decode_arrays(seqs)
-        else:
-            self.backend.plan(seqs)
-        input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
+        with record_function("carpool.prepare_inputs"):
+            inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens)
+            seqs = inputs.sequences
+            arrays = [inputs.input_ids[None], inputs.positions[None], inputs.logits_indices]
+            decode_only = self.compiled and self.backend.inline_decode and bool((seqs.query_lens == 1).all())
+            if decode_only:
+                arrays += self._decode_arrays(seqs)
+            else:
+                self.backend.plan(seqs)
+            input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
         extra = {}
         if decode_only:
             extra["carpool_decode"] = DecodeStep(*decode, block_size=self.block_size)
+        if self.compiled:
+            mark_step_dynamic(input_ids, positions, extra.get("carpool_decode"))
         sample_rows = inputs.sample_rows
         num_real_rows = len(sample_rows)
         result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
-        with running_step(self.backend):
+        with running_step(self.backend), record_function("carpool.forward"):
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
@@ -326,7 +335,8 @@ class ModelRunner:
                     )
             real_logits = logits if not padding else logits[real]
             try:
-                sampled = self.sampler(real_logits, requests)
+                with record_function("carpool.sample"):
+                    sampled = self.sampler(real_logits, requests)
             except Exception:
                 # One request's parameters or state may break the batched sampler: sample each
                 # row alone, so that only the rows that fail by themselves fail.

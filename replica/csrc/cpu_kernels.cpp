@@ -1,3 +1,5 @@
+// Carpool's CPU kernels (built by replica/cpu_kernels.py).
+//
 // Paged decode attention for CPU: one query token per sequence, reading K/V in place through the
 // sequence's block table (no gathered copy), GQA without repeating heads, softmax in float32.
 //
@@ -13,6 +15,7 @@
 // seq_lens [S] (int64, keys to attend, the new one included). Returns [S, H, D] in query's dtype.
 #include <torch/library.h>
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -150,12 +153,28 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out.to(query.scalar_type());
 }
 
+// x @ W.T + bias with W prepacked by mkldnn::_reorder_linear_weight: mkldnn::_linear_pointwise
+// called through the dispatcher from C++, so that a compiled graph reaches it without Python.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, packed_weight, bias, std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::optional<std::string>()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(carpool_cpu, m) {
   m.def(
       "decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int block_size, float scale) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+// The packed weight is an opaque oneDNN tensor (dispatch key MkldnnCPU), so the op is registered
+// for every backend rather than only CPU.
+TORCH_LIBRARY_IMPL(carpool_cpu, CompositeExplicitAutograd, m) { m.impl("packed_linear", &packed_linear); }

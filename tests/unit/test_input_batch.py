@@ -1,0 +1,71 @@
+"""The persistent batch builds a step's flat inputs from the scheduler's rows: token ids, positions
+and KV slots of every scheduled token, rows kept across steps and freed when forgotten."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from replica.input_batch import InputBatch, to_device
+from replica.request import Request, SamplingParams
+from replica.scheduler import ScheduledRequest
+
+
+def _request(rid: str, prompt: list[int], blocks: list[int]) -> Request:
+    request = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams())
+    request.block_ids = blocks
+    return request
+
+
+def test_prefill_then_decode_rows():
+    batch = InputBatch(max_rows=4, max_model_len=64, block_size=4, padding_slot=99)
+    a = _request("a", [10, 11, 12, 13, 14], [7, 3])
+    b = _request("b", [20, 21], [5])
+    step = batch.prepare([ScheduledRequest(a, 0, 5, True), ScheduledRequest(b, 0, 2, True)], pad=False)
+    assert step.input_ids.tolist() == [10, 11, 12, 13, 14, 20, 21]
+    assert step.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    assert step.sequences.slot_mapping.tolist() == [28, 29, 30, 31, 12, 20, 21]
+    assert step.logits_indices.tolist() == [4, 6]
+    assert step.sequences.block_tables.tolist() == [[7, 3], [5, 0]]
+    # Next step: each decodes the token just sampled; b has grown a block.
+    a.output_token_ids.append(15)
+    b.output_token_ids.append(22)
+    b.output_token_ids.append(23)
+    b.block_ids = [5]
+    step = batch.prepare([ScheduledRequest(a, 5, 1, True), ScheduledRequest(b, 3, 1, True)], pad=False)
+    assert step.input_ids.tolist() == [15, 23]
+    assert step.positions.tolist() == [5, 3]
+    assert step.sequences.slot_mapping.tolist() == [3 * 4 + 1, 5 * 4 + 3]
+    assert step.sequences.seq_lens.tolist() == [6, 4]
+
+
+def test_padding_and_forget():
+    batch = InputBatch(max_rows=2, max_model_len=64, block_size=4, padding_slot=99)
+    reqs = [_request(f"r{i}", list(range(1, 10 + i)), [i * 4 + j for j in range(4)]) for i in range(2)]
+    step = batch.prepare([ScheduledRequest(r, 0, r.num_tokens, True) for r in reqs], pad=True)
+    assert len(step.input_ids) == 20  # 9 + 10 tokens padded to the bucket of 19
+    assert step.sequences.slot_mapping[19:].tolist() == [99]
+    assert step.sequences.num_tokens == 20 and step.sample_rows == [0, 1]
+    assert batch.num_rows_used == 2
+    batch.forget("r0")
+    fresh = _request("r2", [42, 43], [11])
+    step = batch.prepare([ScheduledRequest(fresh, 0, 2, True)], pad=False)
+    assert step.input_ids.tolist() == [42, 43] and batch.num_rows_used == 2
+
+
+def test_to_device_on_cpu_is_a_view():
+    arrays = [np.arange(5), np.arange(6).reshape(2, 3)]
+    tensors = to_device(arrays, torch.device("cpu"))
+    assert [t.shape for t in tensors] == [(5,), (2, 3)]
+    arrays[0][0] = 7
+    assert tensors[0][0].item() == 7
+
+
+def test_packed_context_slots():
+    from replica.attention_cuda import packed_context_slots
+
+    tables = torch.tensor([[3, 1], [2, 0]])
+    seq_lens = torch.tensor([5, 2])
+    cu = torch.tensor([0, 5, 7])
+    slots = packed_context_slots(tables, seq_lens, cu, 7, block_size=4)
+    assert slots.tolist() == [12, 13, 14, 15, 4, 8, 9]
