@@ -111,6 +111,8 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Prompt + output tokens per request at most (default: the model's, capped by the KV pool)."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget of one engine step (default: 512)."),
     scheduling_policy: Optional[str] = typer.Option(None, help="continuous or static (default: continuous)."),
+    attention_backend: Optional[str] = typer.Option(None, help="auto (the device's fast kernels), reference, cpu or cuda (default: auto)."),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on; --no-compile is vLLM's --enforce-eager)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
     host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="HTTP port (default: 8000)."),
@@ -144,6 +146,7 @@ def serve(
         "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
+        "attention_backend": attention_backend, "compile": compile,
     }
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,

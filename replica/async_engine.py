@@ -118,7 +118,8 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Queue a request and yield its deltas until it finishes.
+        """Queue a request and yield its deltas until it finishes. Deltas that pile up while the
+        caller is busy come out merged into one.
 
         Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
         Closing or cancelling the iterator early aborts the request inside the engine.
@@ -139,8 +140,11 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                item, error = self._merge_queued(item, stream.queue)
+                finished = item.finished or error is not None
                 yield item
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:
@@ -148,6 +152,17 @@ class AsyncLLMEngine:
                 self._commands.put(("abort", request.request_id))
             with self._streams_lock:
                 self._streams.pop(request.request_id, None)
+
+    @staticmethod
+    def _merge_queued(item: StepOutput, queue: asyncio.Queue) -> tuple[StepOutput, BaseException | None]:
+        """``item`` merged with the deltas already queued behind it (a consumer slower than the
+        engine gets one delta per wake-up, not one per token), and an error queued after them."""
+        while not item.finished and not queue.empty():
+            later = queue.get_nowait()
+            if isinstance(later, BaseException):
+                return item, later
+            item = item.merged(later)
+        return item, None
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its seat and blocks are free before the next step."""

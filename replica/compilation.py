@@ -53,25 +53,37 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_forward_cpp(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.carpool_cpu.packed_linear(x, self.carpool_packed_weight, self.bias, self.out_features)
+    return torch.ops.carpool_cpu.packed_linear(
+        x, self.carpool_packed_weight, self.carpool_gemv_weight, self.bias, self.out_features
+    )
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
     """Route every ``nn.Linear`` of ``model`` through a oneDNN-prepacked copy of its weight.
 
-    The original weight stays (the output embedding may be tied to the input embedding, and
-    transformers reads weights' shapes and dtypes); the packed copy adds the same number of bytes.
-    Returns the number of layers packed. Only for CPU models in bfloat16 or float16 with oneDNN.
+    With Carpool's CPU kernels and a bf16 model, each weight is also packed for the small-batch
+    kernel (decode steps of up to 8 rows; see ``replica/csrc/cpu_kernels.cpp``). The original
+    weight is then released (an empty tensor of its dtype stays as ``weight``), unless the input
+    embedding shares it (a tied output embedding). Returns the number of layers packed. Only for
+    CPU models in bfloat16 or float16 with oneDNN.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
     from replica import cpu_kernels
 
     forward = _packed_forward_cpp if cpu_kernels.available() else _packed_forward
+    gemv = cpu_kernels.has_bf16_gemv()
+    shared = {id(p) for p in model.get_input_embeddings().parameters()}
     packed = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu":
-            module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            weight = module.weight.detach()
+            module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            module.carpool_gemv_weight = (
+                torch.ops.carpool_cpu.pack_bf16_weight(weight) if gemv and weight.dtype == torch.bfloat16 else None
+            )
+            if id(module.weight) not in shared:  # the packed copies replace it (a tied one stays)
+                module.weight.data = weight.new_empty(0)
             module.forward = types.MethodType(forward, module)
             packed += 1
     return packed

@@ -1,6 +1,7 @@
 """Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp``), built on first use with torch's C++
-extension loader and cached: paged decode attention, and the call of oneDNN's prepacked linear
-without Python in between (``packed_linear``).
+extension loader and cached: paged decode attention, and linear layers on prepacked weights
+(``packed_linear``: a small-batch bf16 kernel for decode steps of up to 8 rows on CPUs with
+AVX512-BF16, oneDNN otherwise, called without Python in between).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
 torch's own options read each sequence's context far below what the core can do. Measured on the
@@ -29,8 +30,13 @@ _state: dict[str, bool] = {}
 
 
 def available() -> bool:
-    """Whether :func:`load` built and registered the kernel in this process."""
+    """Whether :func:`load` built and registered the kernels in this process."""
     return _state.get("ok", False)
+
+
+def has_bf16_gemv() -> bool:
+    """Whether the small-batch bf16 linear kernel is built (the CPU has AVX512-BF16)."""
+    return available() and torch.ops.carpool_cpu.has_bf16_gemv()
 
 
 def load(cache_root: str | None = None) -> bool:
@@ -62,7 +68,7 @@ def load(cache_root: str | None = None) -> bool:
         return torch.empty_like(query)
 
     @torch.library.register_fake("carpool_cpu::packed_linear")
-    def _(x, packed_weight, bias, out_features):
+    def _(x, onednn_weight, gemv_weight, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
     _state["ok"] = True

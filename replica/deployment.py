@@ -119,28 +119,13 @@ class LLMReplica:
         For non-streaming callers: one message per request instead of one per token. Errors as
         :meth:`generate`; cancelling the call aborts the request.
         """
-        token_ids: list[int] = []
-        text: list[str] = []
-        logprobs: list = []
-        last: StepOutput | None = None
+        whole: StepOutput | None = None
         async for delta in self.generate(request_id, prompt_token_ids, sampling_params):
-            token_ids.extend(delta.new_token_ids)
-            text.append(delta.new_text)
-            if delta.new_logprobs:
-                logprobs.extend(delta.new_logprobs)
-            last = delta
-        assert last is not None and last.finished
-        return StepOutput(
-            request_id=request_id,
-            new_token_ids=token_ids,
-            new_text="".join(text),
-            new_logprobs=logprobs if sampling_params.logprobs is not None else None,
-            finished=True,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_output_tokens=last.num_output_tokens,
-        )
+            whole = delta if whole is None else whole.merged(delta)
+        assert whole is not None and whole.finished
+        if sampling_params.logprobs is not None and whole.new_logprobs is None:
+            whole.new_logprobs = []
+        return whole
 
     async def model_info(self) -> dict[str, Any]:
         """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,

@@ -104,7 +104,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=cfg.scheduling_policy,
         )
-        self.vocab_size = self.runner.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.runner.vocab_size
         self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
         self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         if self.warm_up_report:

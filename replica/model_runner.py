@@ -110,6 +110,7 @@ class ModelRunner:
         )
         self.shape = model_shape(self.model.config)
         self.hf_config = self.model.config
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
         self.num_blocks = self._decide_num_blocks(num_blocks, kv_cache_memory, gpu_memory_utilization)
         # Padding tokens write their K/V into one extra block that no block table holds.
         self.padding_slot = self.num_blocks * block_size

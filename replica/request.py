@@ -288,3 +288,22 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+
+    def merged(self, later: "StepOutput") -> "StepOutput":
+        """This delta followed by ``later`` (of the same request) as one delta: tokens, text and
+        logprobs concatenated, the finish state and counts of ``later``."""
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return StepOutput(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            new_logprobs=logprobs,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            error=later.error,
+        )

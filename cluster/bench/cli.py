@@ -49,6 +49,8 @@ def offline(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNGs PATH-occupancy.png and PATH-latency.png (sweep: PATH-sweep.png)."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
+    attention_backend: str = typer.Option("auto", help="auto (the device's fast kernels), reference, cpu or cuda."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model (--no-compile: eager)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap text prompts in the model's chat template."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
 ) -> None:
@@ -71,6 +73,7 @@ def offline(
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_bytes, num_requests=num_requests, short=short, long=long,
             mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
+            attention_backend=attention_backend, compile=compile,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -60,14 +60,17 @@ def offline_main(
     chat_template: bool = True,
     progress: bool = True,
     out: TextIO | None = None,
+    attention_backend: str = "auto",
+    compile: bool = True,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
     Args:
         workload: ``seed-example``, ``seed-mix``, ``sweep``, or the path of a JSONL file of
             ``{"prompt", "max_tokens"}`` objects.
-        model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory: the engine's
-            settings (``EngineConfig``); ``model=None`` is the default model.
+        model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
+            attention_backend, compile: the engine's settings (``EngineConfig``); ``model=None``
+            is the default model.
         num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's size).
         mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed.
         compare: ``["transformers"]`` adds transformers' static ``generate`` and its continuous
@@ -108,7 +111,10 @@ def offline_main(
 
     if threads:
         torch.set_num_threads(threads)
-    engine_kwargs = dict(dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    engine_kwargs = dict(
+        dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        attention_backend=attention_backend, compile=compile,
+    )
     if model:
         engine_kwargs["model"] = model
     if kv_cache_memory:

@@ -427,9 +427,32 @@ def test_async_server_side_abort_ends_the_stream_with_abort(async_engine):
 
     deltas = run(main())
     last = deltas[-1]
-    assert last.finished and last.finish_reason == "abort" and last.new_token_ids == []
+    # Tokens still queued when the abort lands come merged into the final delta.
+    assert last.finished and last.finish_reason == "abort"
     assert all(not d.finished for d in deltas[:-1])
     assert last.num_output_tokens == sum(len(d.new_token_ids) for d in deltas) < 900
+    assert_idle(async_engine.engine)
+
+
+def test_async_deltas_merge_while_the_caller_is_busy(async_engine):
+    """A consumer slower than the engine gets the deltas that piled up as one (fewer messages to
+    stream), with nothing lost: tokens, text and the finish state equal the per-token stream's."""
+
+    async def collect(pause: float) -> list:
+        deltas = []
+        params = greedy(max_tokens=24, ignore_eos=True)
+        async for d in async_engine.generate(f"merge-{pause}", prompt_token_ids=PROMPT, sampling_params=params):
+            deltas.append(d)
+            await asyncio.sleep(pause)
+        return deltas
+
+    quick = run(collect(0.0))
+    slow = run(collect(0.2))
+    assert len(slow) < len(quick)
+    assert any(len(d.new_token_ids) > 1 for d in slow)
+    assert [t for d in slow for t in d.new_token_ids] == [t for d in quick for t in d.new_token_ids]
+    assert "".join(d.new_text for d in slow) == "".join(d.new_text for d in quick)
+    assert slow[-1].finished and slow[-1].finish_reason == "length" and slow[-1].num_output_tokens == 24
     assert_idle(async_engine.engine)
 
 

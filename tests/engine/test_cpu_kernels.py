@@ -1,0 +1,82 @@
+"""Carpool's CPU kernels against torch's own ops: the paged decode attention against SDPA over the
+gathered contexts, the prepacked linear (small-batch bf16 kernel up to 8 rows, oneDNN beyond)
+against F.linear."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replica import cpu_kernels
+from replica.model_loader import cache_dir
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load(str(cache_dir() / "torch_extensions")), reason="Carpool's CPU kernels could not be built"
+)
+
+
+def _decode_case(dtype, num_seqs=7, heads=9, kv_heads=3, dim=64, block_size=16, num_blocks=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    lens = torch.randint(1, 70, (num_seqs,), generator=g)
+    width = int(-(-lens.max() // block_size))
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * width].view(num_seqs, width)
+    query = torch.randn(num_seqs, heads, dim, generator=g).to(dtype)
+    key = torch.randn(num_seqs, kv_heads, dim, generator=g).to(dtype)
+    value = torch.randn(num_seqs, kv_heads, dim, generator=g).to(dtype)
+    last = lens - 1
+    slots = tables[torch.arange(num_seqs), last // block_size] * block_size + last % block_size
+    return query, key, value, key_cache, value_cache, slots, tables, lens, block_size
+
+
+def _sdpa_reference(query, key, value, key_cache, value_cache, slots, tables, lens, block_size, scale):
+    kc, vc = key_cache.clone(), value_cache.clone()
+    kc[slots], vc[slots] = key, value
+    num_seqs, width = tables.shape
+    k = kc.view(-1, block_size, *kc.shape[1:])[tables].reshape(num_seqs, width * block_size, *kc.shape[1:])
+    v = vc.view(-1, block_size, *vc.shape[1:])[tables].reshape(num_seqs, width * block_size, *vc.shape[1:])
+    mask = (torch.arange(width * block_size)[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.squeeze(2), kc, vc
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_decode_attention_matches_sdpa_and_writes_the_cache(dtype, tolerance, dim):
+    case = _decode_case(dtype, dim=dim)
+    query, key, value, key_cache, value_cache, slots, tables, lens, block_size = case
+    scale = 1 / math.sqrt(dim)
+    expected, kc, vc = _sdpa_reference(*case, scale)
+    out = torch.ops.carpool_cpu.decode_attention(
+        query, key, value, key_cache, value_cache, slots, tables, lens, block_size, scale
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    assert (out.float() - expected).abs().max().item() < tolerance
+    assert torch.equal(key_cache, kc) and torch.equal(value_cache, vc)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("shape", [(576, 1536), (575, 1537), (64, 100)])
+def test_packed_linear_equals_f_linear(rows, shape):
+    in_features, out_features = shape
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(out_features, in_features, generator=g) / 10).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    x = torch.randn(1, rows, in_features, generator=g).bfloat16()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight)
+    gemv = torch.ops.carpool_cpu.pack_bf16_weight(weight) if cpu_kernels.has_bf16_gemv() else None
+    for b in (None, bias):
+        got = torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, b, out_features).float()
+        expected = F.linear(x, weight, b).float()
+        # Both sum in float32 and round once to bf16; the orders of their partial sums may differ,
+        # so a rare output lands one bf16 step (2**-7 relative) away.
+        differ = got != expected
+        assert differ.float().mean().item() <= 1e-3, (rows, shape)
+        assert ((got - expected).abs() <= expected.abs() * 2**-7 + 1e-6)[differ].all(), (rows, shape)
