@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from replica import cpu_kernels
 from replica.request import Request, TokenLogprobs
 
 # Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
@@ -55,6 +56,15 @@ class SamplerOutput:
 def _needs_penalties(request: Request) -> bool:
     p = request.sampling_params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax`` over the vocabulary of ``[rows, V]`` logits (the first index of the maximum):
+    Carpool's CPU kernel for bf16 when built (torch's bf16 argmax is about 4x slower than its
+    float32 one), else float32 argmax (float32 holds every 16-bit value exactly)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 and cpu_kernels.available():
+        return torch.ops.carpool_cpu.argmax_rows(logits)
+    return logits.float().argmax(dim=-1)
 
 
 def _plain_greedy(request: Request) -> bool:
@@ -235,9 +245,8 @@ class Sampler:
         num_rows, vocab = logits.shape
         assert num_rows == len(requests), f"{num_rows} logit rows for {len(requests)} requests"
         if all(_plain_greedy(r) for r in requests):
-            # float32 holds every 16-bit value exactly: the same tokens as the full path below
-            # (ties: the first index, in both).
-            token_list = logits.float().argmax(dim=-1).tolist()  # torch's bf16 argmax is 4x slower
+            # The same tokens as the full path below, which takes argmax of the float32 logits.
+            token_list = greedy_argmax(logits).tolist()
             return SamplerOutput(token_ids=token_list, logprobs=[None] * num_rows)
         device = logits.device
         raw = logits.float()

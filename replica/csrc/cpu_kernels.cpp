@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -119,6 +120,143 @@ void attend(const T* __restrict q_all, const T* __restrict k_cache, const T* __r
   });
 }
 
+#if defined(__AVX512F__)
+// bf16, head_dim 64, G <= 4 query heads per KV head (AVX512): while a KV head's rows of a block are
+// read, the q and output accumulator of its G query heads live in four zmm registers each, and a
+// key or value row is converted once to four zmm and used by all G heads. Same online softmax,
+// block by block, as the generic kernel above.
+// e^x for 16 floats: 2^(x log2 e) split as 2^n * 2^f, f in [-0.5, 0.5], with a degree-6 polynomial
+// for 2^f (Cephes' exp2f coefficients; relative error about 2e-7). x below -87 gives 0.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+template <int G>
+void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* __restrict k_cache,
+                     const at::BFloat16* __restrict v_cache, const int64_t* __restrict tables,
+                     const int64_t* __restrict seq_lens, at::BFloat16* __restrict out, int64_t num_seqs,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t width, int64_t block_size, float scale) {
+  constexpr int D = 64;
+  const int64_t row = num_kv_heads * D;  // elements per slot: every KV head of one token
+  // One task per sequence, and the KV heads inside the block loop: each block's rows are read from
+  // memory once, whole and in order (blocks lie anywhere in a pool far larger than the caches, so
+  // this is what bounds the kernel), while the next block is prefetched.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * block_size);
+    std::vector<float> q_state(num_heads * D), acc_state(num_heads * D);
+    std::vector<float> m_state(num_heads), l_state(num_heads);
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t len = seq_lens[s];
+      for (int64_t h = 0; h < num_heads; ++h) {
+        for (int j = 0; j < 4; ++j) {
+          _mm512_storeu_ps(&q_state[h * D + 16 * j],
+                           _mm512_mul_ps(bf16x16_to_f32(q_all + (s * num_heads + h) * D + 16 * j), _mm512_set1_ps(scale)));
+          _mm512_storeu_ps(&acc_state[h * D + 16 * j], _mm512_setzero_ps());
+        }
+        m_state[h] = -std::numeric_limits<float>::infinity();
+        l_state[h] = 0.f;
+      }
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t block = tables[s * width + b];
+        const int64_t n = std::min(block_size, len - b * block_size);
+        if (b + 1 < num_blocks) {
+          const char* nk = reinterpret_cast<const char*>(k_cache + tables[s * width + b + 1] * block_size * row);
+          const char* nv = reinterpret_cast<const char*>(v_cache + tables[s * width + b + 1] * block_size * row);
+          for (int64_t off = 0; off < block_size * row * 2; off += 64) {
+            _mm_prefetch(nk + off, _MM_HINT_T0);
+            _mm_prefetch(nv + off, _MM_HINT_T0);
+          }
+        }
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          __m512 q[G][4], acc[G][4];
+          for (int r = 0; r < G; ++r)
+            for (int j = 0; j < 4; ++j) {
+              q[r][j] = _mm512_loadu_ps(&q_state[(g * G + r) * D + 16 * j]);
+              acc[r][j] = _mm512_loadu_ps(&acc_state[(g * G + r) * D + 16 * j]);
+            }
+          const at::BFloat16* kb = k_cache + block * block_size * row + g * D;
+          for (int64_t t = 0; t < n; ++t) {
+            const at::BFloat16* kp = kb + t * row;
+            const __m512 k0 = bf16x16_to_f32(kp), k1 = bf16x16_to_f32(kp + 16), k2 = bf16x16_to_f32(kp + 32),
+                         k3 = bf16x16_to_f32(kp + 48);
+            for (int r = 0; r < G; ++r) {
+              __m512 d = _mm512_mul_ps(q[r][0], k0);
+              d = _mm512_fmadd_ps(q[r][1], k1, d);
+              d = _mm512_fmadd_ps(q[r][2], k2, d);
+              d = _mm512_fmadd_ps(q[r][3], k3, d);
+              scores[r * block_size + t] = _mm512_reduce_add_ps(d);
+            }
+          }
+          for (int r = 0; r < G; ++r) {
+            const int64_t h = g * G + r;
+            float* sr = scores.data() + r * block_size;
+            float block_max = -std::numeric_limits<float>::infinity();
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+              const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+              const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
+              block_max = std::max(block_max, _mm512_reduce_max_ps(v));
+            }
+            const float new_max = std::max(m_state[h], block_max);
+            const float correction = std::exp(m_state[h] - new_max);
+            float sum = 0.f;
+            for (int64_t t0 = 0; t0 < n; t0 += 16) {
+              const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+              const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
+              _mm512_mask_storeu_ps(sr + t0, live, e);
+              sum += _mm512_mask_reduce_add_ps(live, e);
+            }
+            l_state[h] = l_state[h] * correction + sum;
+            m_state[h] = new_max;
+            if (correction != 1.f) {
+              const __m512 c = _mm512_set1_ps(correction);
+              for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
+            }
+          }
+          const at::BFloat16* vb = v_cache + block * block_size * row + g * D;
+          for (int64_t t = 0; t < n; ++t) {
+            const at::BFloat16* vp = vb + t * row;
+            const __m512 v0 = bf16x16_to_f32(vp), v1 = bf16x16_to_f32(vp + 16), v2 = bf16x16_to_f32(vp + 32),
+                         v3 = bf16x16_to_f32(vp + 48);
+            for (int r = 0; r < G; ++r) {
+              const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
+              acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+              acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+              acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+              acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+            }
+          }
+          for (int r = 0; r < G; ++r)
+            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(&acc_state[(g * G + r) * D + 16 * j], acc[r][j]);
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        at::BFloat16* o = out + (s * num_heads + h) * D;
+        const __m512 inv = _mm512_set1_ps(l_state[h] > 0.f ? 1.f / l_state[h] : 0.f);
+        alignas(64) float tmp[D];
+        for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(&acc_state[h * D + 16 * j]), inv));
+        for (int d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& lens, at::Tensor& out, int64_t block_size, double scale) {
@@ -129,6 +267,17 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     kernel(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
            std::get<5>(args), S, H, Hkv, W, block_size, D, static_cast<float>(scale));
   };
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const int64_t G = H / Hkv;
+    if (D == 64 && G >= 1 && G <= 4) {
+      auto fast = G == 1 ? attend_bf16_d64<1> : G == 2 ? attend_bf16_d64<2> : G == 3 ? attend_bf16_d64<3> : attend_bf16_d64<4>;
+      fast(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+           out.data_ptr<T>(), S, H, Hkv, W, block_size, static_cast<float>(scale));
+      return;
+    }
+  }
+#endif
   if (D == 64) run(attend<T, 64>);
   else if (D == 128) run(attend<T, 128>);
   else run(attend<T, 0>);
@@ -251,6 +400,54 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& onednn_weight, c
   return stack[0].toTensor();
 }
 
+// Greedy sampling's argmax over a step's logits [rows, vocab] in bf16, without converting them to
+// float32 first (torch's argmax on bf16 is about 4x slower than on float32, and the conversion
+// writes twice the logits). The first index of the maximum, as torch.argmax.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "argmax_rows: [rows, vocab] logits");
+#if defined(__AVX512F__)
+  if (logits.scalar_type() == at::kBFloat16) {
+    auto x = logits.contiguous();
+    const int64_t rows = x.size(0), vocab = x.size(1);
+    auto out = at::empty({rows}, x.options().dtype(at::kLong));
+    const at::BFloat16* base = x.data_ptr<at::BFloat16>();
+    int64_t* o = out.data_ptr<int64_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const at::BFloat16* p = base + r * vocab;
+        __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        __m512i best_i = _mm512_set1_epi32(0);
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        int64_t i = 0;
+        for (; i + 16 <= vocab; i += 16) {
+          const __m512 v = bf16x16_to_f32(p + i);
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+          best = _mm512_mask_blend_ps(gt, best, v);
+          best_i = _mm512_mask_blend_epi32(gt, best_i, idx);
+          idx = _mm512_add_epi32(idx, step);
+        }
+        float max_v = _mm512_reduce_max_ps(best);
+        int64_t arg = vocab;
+        alignas(64) float vals[16];
+        alignas(64) int32_t ids[16];
+        _mm512_store_ps(vals, best);
+        _mm512_store_si512(ids, best_i);
+        for (int l = 0; l < 16; ++l)
+          if (vals[l] == max_v && ids[l] < arg) arg = ids[l];
+        for (; i < vocab; ++i) {
+          const float v = static_cast<float>(p[i]);
+          if (v > max_v || arg == vocab) { max_v = v; arg = i; }
+        }
+        o[r] = arg;
+      }
+    });
+    return out;
+  }
+#endif
+  return logits.to(at::kFloat).argmax(-1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(carpool_cpu, m) {
@@ -260,6 +457,7 @@ TORCH_LIBRARY(carpool_cpu, m) {
   m.def("packed_linear(Tensor x, Tensor onednn_weight, Tensor? gemv_weight, Tensor? bias, int out_features) -> Tensor");
   m.def("pack_bf16_weight(Tensor weight) -> Tensor");
   m.def("has_bf16_gemv() -> bool");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(carpool_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
@@ -270,4 +468,5 @@ TORCH_LIBRARY_IMPL(carpool_cpu, CompositeExplicitAutograd, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("pack_bf16_weight", &pack_bf16_weight);
   m.impl("has_bf16_gemv", &has_bf16_gemv);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -2,7 +2,8 @@
 
 Every scheduling situation that could change a request's computation — all at once, staggered
 arrivals, fewer seats than requests, a block pool small enough to force preemption, chunked
-prefill — under both policies, on two model families.
+prefill — under both policies, on two model families, and on every way the engine can run a step:
+each attention backend of the test device, compiled and eager.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ def reference_tokens(path: str, workload) -> list[list[int]]:
 
 WORKLOAD = _workload()
 
+# (attention_backend, compile): the device's fast backend compiled (the default) and eager, and the
+# reference backend (one SDPA call per sequence) compiled and eager.
+ENGINE_VARIANTS = [("auto", True), ("auto", False), ("reference", True), ("reference", False)]
+VARIANT_IDS = ["fast-compiled", "fast-eager", "reference-compiled", "reference-eager"]
+
+
+@pytest.fixture(params=ENGINE_VARIANTS, ids=VARIANT_IDS)
+def variant(request) -> dict:
+    backend, compile_ = request.param
+    return dict(attention_backend=backend, compile=compile_)
+
 SCENARIOS = {
     # name: (engine kwargs, arrival plan)
     "all-at-once": (dict(max_num_seqs=32), None),
@@ -90,10 +102,10 @@ def run_engine(llm: LLM, workload, plan) -> tuple[list[list[int]], list[str]]:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy, scenario):
+def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy, scenario, variant):
     path = tiny_model_factory(family)
     kwargs, plan = SCENARIOS[scenario]
-    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, scheduling_policy=policy, **kwargs)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, scheduling_policy=policy, **kwargs, **variant)
     expected = reference_tokens(path, WORKLOAD)
     got, reasons = run_engine(llm, WORKLOAD, plan)
     for i, (g, e) in enumerate(zip(got, expected)):
@@ -107,19 +119,19 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
     assert_idle(llm.engine)
 
 
-def test_third_family_qwen3(tiny_model_factory):
+def test_third_family_qwen3(tiny_model_factory, variant):
     """Qwen3 (per-head q/k RMSNorm) through the same attention hook."""
     path = tiny_model_factory("qwen3")
-    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=32, **variant)
     expected = reference_tokens(path, WORKLOAD)
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == expected
     assert_idle(llm.engine)
 
 
-def test_batch_invariance(tiny_llama):
+def test_batch_invariance(tiny_llama, variant):
     """A request's greedy tokens are the same alone and in a batch of 16."""
-    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16)
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16, **variant)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     ids = [[random.Random(i).randrange(3, 49152) for _ in range(5 + 3 * i)] for i in range(16)]
     together = llm.generate(prompt_token_ids=ids, sampling_params=params)
@@ -129,9 +141,9 @@ def test_batch_invariance(tiny_llama):
     assert_idle(llm.engine)
 
 
-def test_seeded_sampling_independent_of_batch_mates(tiny_llama):
+def test_seeded_sampling_independent_of_batch_mates(tiny_llama, variant):
     """Same seed + prompt → same samples, whatever else is in the batch; other seeds differ."""
-    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16)
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16, **variant)
     prompt = [101, 2020, 3030, 4040]
     seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
     [alone] = llm.generate(prompt_token_ids=[prompt], sampling_params=seeded)
