@@ -122,7 +122,9 @@ class CpuBackend(AttentionBackend):
         """Index arrays of one padded SDPA call over the prefill chunks ``seqs``."""
         bs = self.block_size
         q_lens, ctx, lens = step.query_lens[seqs], step.context_lens[seqs], step.seq_lens[seqs]
-        q_max, k_max = int(q_lens.max()), int(-(-lens.max() // bs) * bs)
+        fresh = not ctx.any()  # every chunk starts its sequence: attend to its own new K/V only
+        q_max = int(q_lens.max())
+        k_max = q_max if fresh else int(-(-lens.max() // bs) * bs)
         if self.pad_shapes:
             q_max, k_max = padded_size(q_max), padded_size(k_max)
         width = -(-k_max // bs)
@@ -134,12 +136,13 @@ class CpuBackend(AttentionBackend):
         tokens = (step.query_start[seqs][:, None] + offsets[None, :])[valid]  # packed token of each valid slot
         q_pos = ctx[:, None] + offsets[None, :]  # [P, Qmax]
         k_pos = np.arange(k_max)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+        # Fresh chunks need no mask: causal attention over right-padded rows never reaches a pad.
+        mask = None if fresh else (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
         return (
             torch.from_numpy(tokens),
             torch.from_numpy(np.flatnonzero(valid.reshape(-1))),
             torch.from_numpy(tables),
-            torch.from_numpy(mask[:, None]),
+            None if mask is None else torch.from_numpy(mask[:, None]),
             q_max,
             k_max,
         )
@@ -159,15 +162,25 @@ class CpuBackend(AttentionBackend):
         if self.prefill is not None:
             tokens, slots, tables, mask, q_max, k_max = self.prefill
             num_seqs = tables.shape[0]
-            q = query.new_zeros(num_seqs * q_max, num_heads, head_dim)
-            q.index_copy_(0, slots, query.index_select(0, tokens))
-            q = q.view(num_seqs, q_max, num_heads, head_dim).transpose(1, 2)
-            k = gather_context(key_cache, tables, self.block_size)[:, :, :k_max]
-            v = gather_context(value_cache, tables, self.block_size)[:, :, :k_max]
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+            q = self._pad(query, tokens, slots, num_seqs, q_max)
+            if mask is None:  # fresh chunks: their own new K/V, padded like the queries
+                k, v = self._pad(key, tokens, slots, num_seqs, q_max), self._pad(value, tokens, slots, num_seqs, q_max)
+            else:
+                k = gather_context(key_cache, tables, self.block_size)[:, :, :k_max].to(q.dtype)
+                v = gather_context(value_cache, tables, self.block_size)[:, :, :k_max].to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
             o = o.transpose(1, 2).reshape(num_seqs * q_max, num_heads, head_dim)
             out.index_copy_(0, tokens, o.index_select(0, slots))
         return out
+
+    @staticmethod
+    def _pad(x: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor, num_seqs: int, length: int) -> torch.Tensor:
+        """Packed rows ``x[tokens]`` ``[n, heads, D]`` into a zero-padded ``[num_seqs, heads, length, D]``."""
+        padded = x.new_zeros(num_seqs * length, x.shape[1], x.shape[2])
+        padded.index_copy_(0, slots, x.index_select(0, tokens))
+        return padded.view(num_seqs, length, x.shape[1], x.shape[2]).transpose(1, 2)
 
     def _decode(self, q, key_cache, value_cache, tables, lens, width, scale):
         if cpu_kernels.available():  # K/V are already written: attend only (no new tokens)

@@ -89,7 +89,11 @@ class CudaBackend(AttentionBackend):
         )
         if self.use_flashinfer:
             self._plan_flashinfer(step)
-        elif not self.paged_torch:
+            return
+        self.cu_q32, self.cu_k32 = self.cu_q.int(), self.cu_k.int()
+        if self.paged_torch:
+            self.seq_lens32, self.tables32 = self.seq_lens.int(), self.tables.int()
+        else:
             self.context_slots = packed_context_slots(self.tables, self.seq_lens, self.cu_k, self.total_k, bs)
 
     def _plan_flashinfer(self, step: StepSequences) -> None:
@@ -135,9 +139,9 @@ class CudaBackend(AttentionBackend):
             pages_k = key_cache.view(-1, self.block_size, *key_cache.shape[1:])
             pages_v = value_cache.view(-1, self.block_size, *value_cache.shape[1:])
             return varlen_attn(
-                q, pages_k, pages_v, self.cu_q.int(), None, self.max_q, self.max_k,
-                seqused_k=self.seq_lens.int(), block_table=self.tables.int(), **common,
+                q, pages_k, pages_v, self.cu_q32, None, self.max_q, self.max_k,
+                seqused_k=self.seq_lens32, block_table=self.tables32, **common,
             )
         k = key_cache.index_select(0, self.context_slots)
         v = value_cache.index_select(0, self.context_slots)
-        return varlen_attn(q, k, v, self.cu_q.int(), self.cu_k.int(), self.max_q, self.max_k, **common)
+        return varlen_attn(q, k, v, self.cu_q32, self.cu_k32, self.max_q, self.max_k, **common)

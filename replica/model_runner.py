@@ -299,13 +299,16 @@ class ModelRunner:
         with record_function("carpool.prepare_inputs"):
             inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens)
             seqs = inputs.sequences
-            arrays = [inputs.input_ids[None], inputs.positions[None], inputs.logits_indices]
+            arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
             decode_only = self.compiled and self.backend.inline_decode and bool((seqs.query_lens == 1).all())
             if decode_only:
                 arrays += self._decode_arrays(seqs)
             else:
                 self.backend.plan(seqs)
             input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
+            # [1, T] with the strides of a fresh tensor, as in the warm-up (a numpy [None] view has a
+            # zero stride, which the compiled graph's guards would tell apart and compile again for).
+            input_ids, positions = input_ids.unsqueeze(0), positions.unsqueeze(0)
         extra = {}
         if decode_only:
             extra["carpool_decode"] = DecodeStep(*decode, block_size=self.block_size)

@@ -6,11 +6,13 @@
   ITL and e2e latency percentiles, errors; table and JSON.
 * ``carpool bench overhead`` (:mod:`cluster.bench.overhead`): the seed mix in-process and served by
   a local app, side by side: what HTTP and Serve cost.
+* ``carpool bench profile`` (:mod:`cluster.bench.profile`): where a step's time goes (torch
+  profiler), by phase and by operator.
 * :data:`bench_app`: the typer group to attach to the ``carpool`` command.
 
 Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
 recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command),
-``serve`` (the load generator), ``overhead`` (in-process vs served).
+``serve`` (the load generator), ``overhead`` (in-process vs served), ``profile`` (a step's time).
 """
 
 from __future__ import annotations

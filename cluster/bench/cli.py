@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline|serve|overhead`` (also ``python -m cluster.bench ...``).
+"""The ``bench`` command group (typer): ``carpool bench offline|serve|overhead|profile`` (also ``python -m cluster.bench ...``).
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -132,6 +132,34 @@ def overhead(
         overhead_main(
             model=model, dtype=dtype, max_num_seqs=max_num_seqs, replicas=replicas, num_requests=num_requests,
             short=short, long=long, request_rate=request_rate, threads=threads, json_path=json_path, progress=progress,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+@bench_app.command("profile")
+def profile(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16), bfloat16, float16 or float32."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats."),
+    num_requests: int = typer.Option(100, min=1, help="Requests of the seed mix."),
+    skip: int = typer.Option(20, min=0, help="Steps run before profiling."),
+    steps: int = typer.Option(20, min=1, help="Steps profiled."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
+    attention_backend: str = typer.Option("auto", help="auto, reference, cpu or cuda."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
+    top: int = typer.Option(8, min=1, help="Operators listed."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Where a step's time goes: milliseconds per step by phase and by operator (torch profiler)."""
+    from cluster.bench.profile import profile_main
+
+    try:
+        profile_main(
+            model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, num_requests=num_requests, skip=skip,
+            steps=steps, threads=threads, attention_backend=attention_backend, compile=compile, top=top,
+            json_path=json_path,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -11,6 +11,10 @@
 
 Replica stats are read straight from each replica actor (``record_routing_stats``, the hook that
 Serve's controller polls), so a test sees every replica, not whichever one a handle picks.
+
+Engines: ``test_api`` and ``test_bench_serve`` serve with the default (compiled) engine; the other
+modules pass ``compile=False`` (``--no-compile``), which runs the same engine eagerly and starts
+faster, since what they test is the serving around it.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_CAP = 64 * 1024
 CONFIG = ServeConfig(
     app_name="e2e-input",
-    engine=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=128, num_blocks=64),
+    engine=EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=128, num_blocks=64, compile=False),
     api_key=KEY,
     max_n=3,
     max_logprobs=5,

@@ -23,7 +23,7 @@ BURST = 10 * CAPACITY
 MAX_TOKENS = 16
 CONFIG = ServeConfig(
     app_name="e2e-overload",
-    engine=EngineConfig(dtype="float32", max_num_seqs=SEATS, max_model_len=128, num_blocks=64),
+    engine=EngineConfig(dtype="float32", max_num_seqs=SEATS, max_model_len=128, num_blocks=64, compile=False),
     max_waiting_requests=WAITING,
 )
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]

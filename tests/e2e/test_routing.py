@@ -12,7 +12,7 @@ from cluster.config import ServeConfig
 from replica.config import EngineConfig
 
 # 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue.
-ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128)
+ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128, compile=False)
 CONFIG = ServeConfig(app_name="e2e-routing", engine=ENGINE)
 TOPICS = ["the sea", "a red fox", "winter", "the moon", "bread", "a violin", "rain", "mountains"]
 MAX_TOKENS = 12

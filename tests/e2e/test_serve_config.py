@@ -30,7 +30,7 @@ def cpu_overrides(config: dict) -> dict:
     config = copy.deepcopy(config)
     (app,) = config["applications"]
     app["name"] = APP
-    app["args"]["engine"].update(device="cpu", max_num_seqs=4, num_blocks=64, max_model_len=512)
+    app["args"]["engine"].update(device="cpu", max_num_seqs=4, num_blocks=64, max_model_len=512, compile=False)
     (replica,) = [d for d in app["deployments"] if d["name"] == "LLMReplica"]
     replica["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 0}
     return config

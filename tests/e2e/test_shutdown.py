@@ -34,7 +34,7 @@ def carpool_serve(tmp_path, *args: str):
     log_path = tmp_path / "serve.log"
     log = open(log_path, "w+")
     proc = subprocess.Popen(
-        [CARPOOL, "serve", "--port", str(port), *args],
+        [CARPOOL, "serve", "--port", str(port), "--no-compile", *args],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )

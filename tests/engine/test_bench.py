@@ -192,3 +192,19 @@ def test_cli_offline_runs_and_rejects_bad_input(tiny_llama, tmp_path, capsys):
         main(["offline", "-w", "nonsense", "--no-progress"])
     assert done.value.code == 2
     assert "workload" in capsys.readouterr().err
+
+
+def test_profile_reports_each_phase_of_a_step(tiny_llama, tmp_path, capsys):
+    """``carpool bench profile``: every phase of the profiled steps is timed, the forward takes the
+    most, and the JSON holds what the table printed."""
+    from cluster.bench.profile import PHASES, profile_main
+
+    json_path = tmp_path / "profile.json"
+    result = profile_main(model=tiny_llama, dtype="float32", max_num_seqs=4, num_requests=8, skip=2, steps=3,
+                          json_path=json_path)
+    assert result["running"] == 4 and set(result["phases_ms"]) == set(PHASES)
+    assert max(result["phases_ms"], key=result["phases_ms"].get) == "carpool.forward"
+    assert result["top_ops_self_ms"] and json.loads(json_path.read_text()) == result
+    assert "forward" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="ended before"):
+        profile_main(model=tiny_llama, dtype="float32", max_num_seqs=4, num_requests=2, skip=0, steps=500)

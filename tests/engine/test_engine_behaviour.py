@@ -626,3 +626,22 @@ def test_padded_steps_bound_the_attention_shapes(tiny_llama, monkeypatch):
             assert any(padded_size(q) != q for q, _ in shapes)  # the workload has odd chunk lengths
     assert outs[True] == outs[False]
     assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_engine_never_recompiles_after_its_warm_up(tiny_llama, dtype):
+    """The warm-up compiles every graph a step needs: single decodes, batched decodes, mixed steps,
+    chunked prefills and preemption then run without compiling again (a compile mid-serving costs
+    seconds: a served request once waited 30 s for one)."""
+    import torch._dynamo
+
+    llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, max_num_seqs=3, max_num_batched_tokens=24,
+              block_size=4, num_blocks=24, max_model_len=96)
+    prompts = [[(5 + 7 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate([1, 3, 30, 9, 50, 2])]
+    params = [greedy(max_tokens=m, ignore_eos=True) for m in (12, 1, 20, 30, 5, 40)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[0])  # one request alone
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 1, 20, 30, 5, 40]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_idle(llm.engine)

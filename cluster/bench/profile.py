@@ -1,0 +1,86 @@
+"""``carpool bench profile``: where a step's time goes, from a torch profile of real steps.
+
+The seed mix runs in the engine; after ``skip`` steps (so that the batch is in the state to look
+at: prefills done, ``running`` requests decoding), ``steps`` steps run under
+``torch.profiler``. The table gives milliseconds per step for each phase of a step (the engine's
+``carpool.*`` ``record_function`` ranges: schedule, prepare_inputs, forward, sample, update,
+detokenize) and for the operators that take the most time (self time), which is how the numbers
+in ``docs/bench/cpu-speed.md`` were taken.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from cluster.bench import workloads as wl
+
+PHASES = ("carpool.schedule", "carpool.prepare_inputs", "carpool.forward", "carpool.sample",
+          "carpool.update", "carpool.detokenize")
+
+
+def profile_main(
+    *,
+    model: str | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_num_seqs: int = 4,
+    num_requests: int = 100,
+    skip: int = 20,
+    steps: int = 20,
+    threads: int | None = None,
+    top: int = 8,
+    compile: bool = True,
+    attention_backend: str = "auto",
+    json_path: str | Path | None = None,
+) -> dict:
+    """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
+    milliseconds per step by phase and by operator.
+
+    Raises ``ValueError`` if the workload ends before ``skip + steps`` steps.
+    """
+    import torch
+
+    from replica import LLM, SamplingParams
+
+    if threads:
+        torch.set_num_threads(threads)
+    kwargs = dict(dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend)
+    llm = LLM(**({"model": model} if model else {}), **kwargs)
+    engine = llm.engine
+    requests = wl.seed_mix(num_requests)
+    wl.tokenize(requests, llm.tokenizer)
+    for r in requests:
+        engine.add_request(None, prompt_token_ids=r.prompt_token_ids,
+                           sampling_params=SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    for _ in range(skip):
+        engine.step()
+    running = engine.scheduler.num_running
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                raise ValueError(f"the workload ended before {skip + steps} steps")
+            engine.step()
+        wall_ms = (time.perf_counter() - started) / steps * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.key_averages()
+    phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in PHASES}
+    ops = sorted((e for e in events if not e.key.startswith("carpool.")), key=lambda e: -e.self_cpu_time_total)
+    result = {
+        "model": engine.config.model, "max_num_seqs": max_num_seqs, "running": running, "steps": steps,
+        "ms_per_step_profiled": wall_ms, "phases_ms": phases,
+        "top_ops_self_ms": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:top]},
+    }
+    print(f"{running} requests running; {wall_ms:.2f} ms per step under the profiler")
+    for key in PHASES:
+        if key in phases:
+            print(f"  {key.removeprefix('carpool.'):<16}{phases[key]:9.2f} ms")
+    print("  top operators (self time):")
+    for key, ms in result["top_ops_self_ms"].items():
+        print(f"    {key[:48]:<50}{ms:9.2f} ms")
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    return result
