@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W.T + bias`` with a weight prepacked by ``torch.ops.mkldnn._reorder_linear_weight``.
 
-    ``x`` ``[..., in_features]`` → ``[..., out_features]`` (same dtype)."""
+    ``x`` ``[..., in_features]`` → ``[..., out_features]`` (same dtype); no rows give no rows."""
+    if x.numel() == 0:
+        return x.new_empty(*x.shape[:-1], out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 

@@ -387,6 +387,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::o
 // called through the dispatcher from C++, so that a compiled graph reaches it without Python.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& onednn_weight, const std::optional<at::Tensor>& gemv_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (x.numel() == 0) {  // no rows (e.g. a prefill chunk that samples nothing keeps no logits)
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = out_features;
+    return at::empty(shape, x.options());
+  }
 #if defined(__AVX512BF16__)
   if (gemv_weight.has_value() && gemv_weight->defined() && x.scalar_type() == at::kBFloat16 &&
       x.numel() / x.size(-1) <= kGemvMaxRows) {

@@ -92,6 +92,21 @@ def test_packed_linear_equals_f_linear(rows, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [0, 1, 9])
+def test_packed_linear_of_no_rows_is_empty(rows):
+    """A prefill chunk that samples nothing keeps no logits: the output embedding then gets
+    ``[1, 0, hidden]`` (the small-batch kernel once read past it and crashed the replica)."""
+    weight = torch.randn(100, 64).bfloat16()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight)
+    gemv = torch.ops.carpool_cpu.pack_bf16_weight(weight) if cpu_kernels.has_bf16_gemv() else None
+    x = torch.randn(1, rows, 64).bfloat16()
+    got = torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, None, 100)
+    assert got.shape == (1, rows, 100)
+    if rows:
+        assert (got.float() - F.linear(x, weight).float()).abs().max().item() < 0.1
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (5, 1000), (3, 37)])
 def test_argmax_rows_equals_torch(rows, vocab):
     g = torch.Generator().manual_seed(vocab)
