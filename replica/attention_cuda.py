@@ -12,7 +12,11 @@ backend (:meth:`CudaBackend.plan` once per step, :meth:`CudaBackend.forward` onc
   sequence's result does not depend on its batch mates. Keys and values are read through the
   block tables in place (``block_table`` + ``seqused_k``) when ``block_size`` is a multiple of
   256 (FlashAttention-2's page size rule); else each layer gathers the step's contexts into one
-  packed copy (slot indices planned once per step, on the device).
+  packed copy (slot indices planned once per step, on the device). Keyword arguments the
+  installed torch's ``varlen_attn`` lacks are worked around (older releases: ``is_causal`` for the
+  window, K/V heads repeated for GQA, gathered contexts for paging).
+* **float32** (FlashAttention and FlashInfer take fp16/bf16 only), or neither kernel available:
+  the reference backend's per-sequence SDPA, so that fp32 fidelity runs on CUDA too.
 
 Metadata goes to the device in one copy per step (the model runner's ``to_device``); nothing here
 synchronizes with the host. Not run on this project's CPU machines: ``tests/gpu/device_check.sh``
@@ -21,10 +25,13 @@ runs the engine tests on CUDA with this backend.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
 from replica.attention import AttentionBackend, StepSequences
+from replica.attention_backends import ReferenceBackend
 from replica.input_batch import to_device
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -38,6 +45,16 @@ def flashinfer_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def varlen_parameters() -> set[str] | None:
+    """The keyword parameters of the installed ``torch.nn.attention.varlen.varlen_attn``, or
+    ``None`` when this torch has none (its signature changed across releases)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return set(inspect.signature(varlen_attn).parameters)
 
 
 def packed_context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seq_k: torch.Tensor,
@@ -62,7 +79,12 @@ class CudaBackend(AttentionBackend):
     def __init__(self, block_size: int, device: torch.device, *, use_flashinfer: bool | None = None) -> None:
         super().__init__(block_size, device)
         self.use_flashinfer = flashinfer_available() if use_flashinfer is None else use_flashinfer
-        self.paged_torch = block_size % FA2_PAGE_MULTIPLE == 0
+        self.varlen = None if self.use_flashinfer else varlen_parameters()
+        self.paged_torch = (
+            self.varlen is not None and block_size % FA2_PAGE_MULTIPLE == 0
+            and {"seqused_k", "block_table"} <= self.varlen
+        )
+        self.fallback: ReferenceBackend | None = None
         if self.use_flashinfer:
             import flashinfer
 
@@ -72,10 +94,17 @@ class CudaBackend(AttentionBackend):
         self._shape: tuple[int, int, int, torch.dtype] | None = None  # heads, kv heads, head dim, dtype
 
     def configure(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        """The model's attention shape (FlashInfer plans with it). Called once by the model runner."""
+        """The model's attention shape (FlashInfer plans with it). Called once by the model runner.
+        A float32 model, or a machine with neither kernel, gets the reference path."""
         self._shape = (num_heads, num_kv_heads, head_dim, dtype)
+        kernels = self.use_flashinfer or self.varlen is not None
+        if dtype not in (torch.float16, torch.bfloat16) or not kernels:
+            self.fallback = ReferenceBackend(self.block_size, self.device)
 
     def plan(self, step: StepSequences) -> None:
+        if self.fallback is not None:
+            self.fallback.plan(step)
+            return
         bs = self.block_size
         self.num_tokens = step.num_tokens
         self.num_real = int(step.query_start[-1])
@@ -114,6 +143,8 @@ class CudaBackend(AttentionBackend):
             self._prefill.plan(qo_d, indptr_d, indices_d, last_d, num_heads, causal=True, **common)
 
     def forward(self, query, key, value, key_cache, value_cache, scale):
+        if self.fallback is not None:
+            return self.fallback.forward(query, key, value, key_cache, value_cache, scale)
         key_cache.index_copy_(0, self.slot_mapping, key.to(key_cache.dtype))
         value_cache.index_copy_(0, self.slot_mapping, value.to(value_cache.dtype))
         q = query[: self.num_real]
@@ -134,7 +165,17 @@ class CudaBackend(AttentionBackend):
     def _torch_varlen(self, q, key_cache, value_cache, scale):
         from torch.nn.attention.varlen import varlen_attn
 
-        common = dict(scale=scale, window_size=(-1, 0), enable_gqa=True, num_splits=1)
+        params = self.varlen
+        common: dict = dict(scale=scale)
+        if "window_size" in params:
+            common["window_size"] = (-1, 0)
+        else:  # older torch: FlashAttention-2's causal mask, bottom-right aligned as well
+            common["is_causal"] = True
+        if "num_splits" in params:
+            common["num_splits"] = 1
+        gqa = "enable_gqa" in params
+        if gqa:
+            common["enable_gqa"] = True
         if self.paged_torch:
             pages_k = key_cache.view(-1, self.block_size, *key_cache.shape[1:])
             pages_v = value_cache.view(-1, self.block_size, *value_cache.shape[1:])
@@ -144,4 +185,7 @@ class CudaBackend(AttentionBackend):
             )
         k = key_cache.index_select(0, self.context_slots)
         v = value_cache.index_select(0, self.context_slots)
+        if not gqa and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return varlen_attn(q, k, v, self.cu_q32, self.cu_k32, self.max_q, self.max_k, **common)

@@ -36,7 +36,7 @@ def profile_main(
     json_path: str | Path | None = None,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
-    milliseconds per step by phase and by operator.
+    milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
 
     Raises ``ValueError`` if the workload ends before ``skip + steps`` steps.
     """
@@ -57,7 +57,11 @@ def profile_main(
     for _ in range(skip):
         engine.step()
     running = engine.scheduler.num_running
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         started = time.perf_counter()
         for _ in range(steps):
             if not engine.has_unfinished_requests():
@@ -75,6 +79,11 @@ def profile_main(
         "top_ops_self_ms": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:top]},
     }
     print(f"{running} requests running; {wall_ms:.2f} ms per step under the profiler")
+    if on_cuda:  # kernel time: when it is far below the step's wall time, the host is the bound
+        kernels = sorted(events, key=lambda e: -e.self_device_time_total)
+        result["gpu_ms_per_step"] = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        result["top_kernels_ms"] = {e.key: e.self_device_time_total / 1e3 / steps for e in kernels[:top]}
+        print(f"  GPU kernels busy {result['gpu_ms_per_step']:.2f} ms per step")
     for key in PHASES:
         if key in phases:
             print(f"  {key.removeprefix('carpool.'):<16}{phases[key]:9.2f} ms")

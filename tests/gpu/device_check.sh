@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# One run on a lent GPU machine (docs/development.md, "The GPU check"): the engine's fidelity tests on CUDA, then
-# offline throughput (continuous vs static vs transformers) on random-weight models in the default
+# One run on a lent GPU machine (docs/development.md, "The GPU check"): the engine's tests on CUDA
+# (fidelity on every backend, compiled and eager; the fast backend against the reference one), then
+# offline throughput (continuous vs static) and a step profile on random-weight models in the default
 # model's shape and in an 8B shape. The machine has torch/CUDA but no network and no model files:
 # .whl carries the Python packages its image lacks or has in other versions, .gpu/smollm2-tokenizer
-# the tokenizer. Results go to $OUT.
+# the tokenizer. Results go to $OUT. Stages (default: all): tests, small (SmolLM2 shape), large (8B).
 set -uo pipefail
+STAGES=${1:-"tests small large"}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 export CARPOOL_SMOLLM2_PATH=$PWD/.gpu/smollm2-tokenizer CARPOOL_TEST_DEVICE=cuda
+stamp() { echo "[$(date +%T)] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+python3 -c "import replica.attention_cuda as a; print('flashinfer', a.flashinfer_available(), 'varlen_attn parameters', sorted(a.varlen_parameters() or []))"
 
-echo "== engine tests on CUDA (the cuda and reference attention backends, each compiled and eager)"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" --maxfail=10 tests/engine/test_fidelity.py \
-  tests/engine/test_engine_behaviour.py tests/engine/test_metrics.py 2>&1 | tee $OUT/tests.log | tail -25
+if [[ $STAGES == *tests* ]]; then
+  stamp "engine tests on CUDA"
+  timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -o addopts="" --maxfail=10 \
+    tests/engine/test_attention_backends.py tests/engine/test_fidelity.py \
+    tests/engine/test_engine_behaviour.py 2>&1 | tee $OUT/tests.log | tail -30
+fi
 
-echo "== throughput and step profile"
-for shape in smollm2-135m llama3-8b; do
-  python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape $shape --out /tmp/$shape --device cuda || continue
-  for seats in 64; do
-    echo "-- $shape, $seats seats: continuous vs static"
-    timeout 150 python3 -m cluster.bench offline --model /tmp/$shape --device cuda --dtype bfloat16 \
-      --workload seed-mix --num-requests 128 --seats $seats --max-num-batched-tokens 2048 \
-      --kv-cache-memory 8GiB --no-progress --json $OUT/bench-$shape-$seats.json 2>&1 | grep -v Warning | tail -8
-    echo "-- $shape, $seats seats: where a decode step's time goes"
-    timeout 120 python3 -m cluster.bench profile --model /tmp/$shape --device cuda --dtype bfloat16 --seats $seats \
-      --num-requests 128 --skip 30 --steps 10 --json $OUT/profile-$shape-$seats.json 2>&1 | grep -v Warning | tail -14
-  done
+bench() {  # shape bench_timeout profile_timeout
+  local shape=$1
+  stamp "random weights in the $shape shape"
+  python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape $shape --out /tmp/$shape --device cuda || return
+  stamp "$shape, 64 seats: continuous vs static (compiled)"
+  timeout $2 python3 -m cluster.bench offline --model /tmp/$shape --device cuda --dtype bfloat16 \
+    --workload seed-mix --num-requests 128 --seats 64 --max-num-batched-tokens 2048 \
+    --kv-cache-memory 8GiB --no-progress --json $OUT/bench-$shape-64.json 2>&1 | grep -v Warning | tail -8
+  if [ "$3" != 0 ]; then
+    stamp "$shape, 64 seats: where a step's time goes"
+    timeout $3 python3 -m cluster.bench profile --model /tmp/$shape --device cuda --dtype bfloat16 --seats 64 \
+      --num-requests 128 --skip 30 --steps 10 --top 10 --json $OUT/profile-$shape-64.json 2>&1 | grep -v Warning | tail -26
+  fi
   rm -rf /tmp/$shape
-done
+}
+[[ $STAGES == *small* ]] && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-110}
+[[ $STAGES == *large* ]] && bench llama3-8b ${LARGE_TIMEOUT:-200} ${LARGE_PROFILE_TIMEOUT:-0}
+stamp done
