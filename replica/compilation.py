@@ -66,11 +66,19 @@ def prepack_linears(model: torch.nn.Module) -> int:
     With Carpool's CPU kernels and a bf16 model, each weight is also packed for the small-batch
     kernel (decode steps of up to 8 rows; see ``replica/csrc/cpu_kernels.cpp``). The original
     weight is then released (an empty tensor of its dtype stays as ``weight``), unless the input
-    embedding shares it (a tied output embedding). Returns the number of layers packed. Only for
-    CPU models in bfloat16 or float16 with oneDNN.
+    embedding shares it (a tied output embedding). Returns the number of layers packed: 0 unless the
+    model is bfloat16 or float16 and this CPU's oneDNN computes that type (float16 needs
+    avx512_fp16 or avx_ne_convert).
     """
     if not torch.backends.mkldnn.is_available():
         return 0
+    dtype = next(model.parameters()).dtype
+    supported = {
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,  # needs avx512_fp16 or avx_ne_convert
+    }
+    if dtype not in supported or not supported[dtype]():
+        return 0  # the layers stay torch's own F.linear
     from replica import cpu_kernels
 
     forward = _packed_forward_cpp if cpu_kernels.available() else _packed_forward

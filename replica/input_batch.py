@@ -135,9 +135,9 @@ class InputBatch:
             input_ids = np.concatenate([input_ids, np.zeros(extra, dtype=np.int64)])
             positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
             slots = np.concatenate([slots, np.full(extra, self.padding_slot, dtype=np.int64)])
-            if pad and len(logits_indices):
-                n = len(logits_indices)
-                logits_indices = np.concatenate([logits_indices, np.full(padded_size(n) - n, logits_indices[-1])])
+        if pad and len(logits_indices):  # also when the token count already is a bucket
+            n = len(logits_indices)
+            logits_indices = np.concatenate([logits_indices, np.full(padded_size(n) - n, logits_indices[-1])])
         sequences = StepSequences(
             query_start=query_start,
             query_lens=counts,

@@ -648,10 +648,12 @@ def test_compiled_engine_never_recompiles_after_its_warm_up(tiny_llama, dtype):
     assert_idle(llm.engine)
 
 
-def test_bf16_eager_engine_runs_chunked_prefills_beside_decodes(tiny_llama):
-    """bf16 on the fast backend without compile: prefill chunks that sample nothing (no logits
-    kept) run beside decodes, every request gets its tokens and the pool ends free."""
-    llm = LLM(model=tiny_llama, dtype="bfloat16", **ON_TEST_DEVICE, compile=False, max_num_seqs=2,
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_eager_engine_runs_chunked_prefills_beside_decodes(tiny_llama, dtype):
+    """16-bit on the fast backend without compile: prefill chunks that sample nothing (no logits
+    kept) run beside decodes, every request gets its tokens and the pool ends free. float16 runs
+    on CPUs whose oneDNN has no float16 path too (its linears then stay unpacked)."""
+    llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, compile=False, max_num_seqs=2,
               max_num_batched_tokens=8, block_size=4, num_blocks=64, max_model_len=128)
     prompts = [[(3 + 11 * i + 7 * j) % 3000 + 30 for j in range(n)] for i, n in enumerate([5, 60, 33])]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(max_tokens=10, ignore_eos=True))

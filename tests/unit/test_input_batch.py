@@ -53,6 +53,23 @@ def test_padding_and_forget():
     assert step.input_ids.tolist() == [42, 43] and batch.num_rows_used == 2
 
 
+def test_logits_rows_are_padded_when_the_tokens_already_fill_a_bucket():
+    """18 decodes and a 2-token chunk: 20 tokens is a bucket already, and the 19 rows that sample
+    are padded to 20 as well, so the output layer only ever sees warmed-up row counts."""
+    from replica.shapes import padded_size
+
+    batch = InputBatch(max_rows=32, max_model_len=64, block_size=16, padding_slot=999)
+    scheduled = []
+    for i in range(19):
+        request = _request(str(i), [5, 6, 7, 8], [i])
+        start = 2 if i == 18 else 3
+        scheduled.append(ScheduledRequest(request, start, 4 - start, True))
+    step = batch.prepare(scheduled, pad=True)
+    assert step.sequences.num_tokens == 20 == padded_size(20)
+    assert len(step.logits_indices) == padded_size(19) == 20 and len(step.sample_rows) == 19
+    assert step.logits_indices[19] == step.logits_indices[18]  # padding repeats the last real row
+
+
 def test_to_device_on_cpu_is_a_view():
     arrays = [np.arange(5), np.arange(6).reshape(2, 3)]
     tensors = to_device(arrays, torch.device("cpu"))
