@@ -21,7 +21,7 @@ of each decoder layer.
   30 calls): 26.5 vs 28.9 ms per 4-seat SmolLM2 decode step, the difference being dynamo's
   per-call guard checks and wrapper code. Compiled code is cached on disk
   (:func:`use_compile_cache`), so a restart loads it instead of compiling again (SmolLM2 on the
-  2-core machine: about 70 s the first time, 15 s after).
+  2-core machine: 82 s the first time, 16 s after).
 """
 
 from __future__ import annotations
