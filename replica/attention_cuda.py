@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from replica.attention import AttentionBackend, StepSequences
-from replica.attention_backends import ReferenceBackend
+from replica.attention_backends import ReferenceBackend, write_kv
 from replica.input_batch import to_device
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
@@ -145,8 +145,7 @@ class CudaBackend(AttentionBackend):
     def forward(self, query, key, value, key_cache, value_cache, scale):
         if self.fallback is not None:
             return self.fallback.forward(query, key, value, key_cache, value_cache, scale)
-        key_cache.index_copy_(0, self.slot_mapping, key.to(key_cache.dtype))
-        value_cache.index_copy_(0, self.slot_mapping, value.to(value_cache.dtype))
+        write_kv(key_cache, value_cache, key, value, self.slot_mapping)
         q = query[: self.num_real]
         if self.use_flashinfer:
             paged = (key_cache.view(-1, self.block_size, *key_cache.shape[1:]),

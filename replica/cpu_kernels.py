@@ -11,8 +11,9 @@ torch's own options read each sequence's context far below what the core can do.
 see ``docs/bench/cpu-attention.md``. It is tested against the reference backend (SDPA).
 
 :func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the op
-``torch.ops.carpool_cpu.decode_attention`` and ``torch.ops.carpool_cpu.packed_linear``; it returns False, once with a warning, where it
-cannot be built (the engine then uses the compiled formulation).
+the ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
+``has_bf16_gemv``, ``argmax_rows``); it returns False, once with a warning, where they cannot be
+built (the engine then uses the compiled formulation).
 """
 
 from __future__ import annotations

@@ -41,9 +41,11 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 @dataclass
 class ModelShape:
-    """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``."""
+    """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``;
+    ``num_heads`` query heads attend to them."""
 
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int | None
@@ -56,6 +58,7 @@ def model_shape(hf_config) -> ModelShape:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return ModelShape(
         num_layers=text.num_hidden_layers,
+        num_heads=num_heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
@@ -157,8 +160,7 @@ class ModelRunner:
         from replica.attention_cuda import CudaBackend
 
         backend = CudaBackend(self.block_size, self.device)
-        text = self.hf_config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
-        backend.configure(text.num_attention_heads, self.shape.num_kv_heads, self.shape.head_dim, self.dtype)
+        backend.configure(self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, self.dtype)
         return backend
 
     @property
