@@ -21,6 +21,7 @@ from replica.metrics import EngineMetrics
 from replica.model_loader import load_tokenizer, resolve_model_path
 from replica.model_runner import ModelRunner
 from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
+from replica.request_builder import build_request, eos_token_ids
 from replica.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -109,24 +110,12 @@ class LLMEngine:
         self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
         if self.warm_up_report:
             logger.info("engine warm-up: %s", self.warm_up_report)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
         self._consecutive_failed_steps = 0
         self._refresh_stats()
-
-    def _eos_token_ids(self) -> tuple[int, ...]:
-        ids: set[int] = set()
-        generation_config = getattr(self.runner.model, "generation_config", None)
-        eos = getattr(generation_config, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
@@ -152,33 +141,11 @@ class LLMEngine:
             raise
 
     def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time) -> Request:
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if prompt_token_ids is None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-        prompt_token_ids = list(prompt_token_ids)
-        for token_id in prompt_token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"prompt_token_ids holds {token_id!r}, outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                "(prompt + output tokens), so the prompt must be shorter"
-            )
-        return Request(
-            request_id=str(request_id) if request_id is not None else f"req-{next(self._ids)}",
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
+        return build_request(
+            str(request_id) if request_id is not None else f"req-{next(self._ids)}",
+            prompt, prompt_token_ids, sampling_params, arrival_time,
+            tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
 
     def add_request(
@@ -272,6 +239,8 @@ class LLMEngine:
         for row, exc in result.errors.items():  # rows whose sampling failed: end them before the update
             request = out.scheduled[row].request
             outputs.append(self._fail_request(request, exc))
+        for row, entries in result.prompt_logprobs.items():
+            out.scheduled[row].request.prompt_logprobs.extend(entries)
         logprobs_of = {
             id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
         }
@@ -296,32 +265,40 @@ class LLMEngine:
         return outputs
 
     def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None) -> StepOutput:
-        """Record the token just appended to ``request``: metrics, detokenizer, stop strings."""
+        """Record the token just appended to ``request`` (none with ``max_tokens == 0``, whose
+        prefill just ended it): metrics, detokenizer, stop strings; prompt logprobs with the first."""
         metrics = self.metrics
         first = request.first_token_time is None
+        scored_only = request.sampling_params.max_tokens == 0
         if first:
             request.first_token_time = now
         if metrics is not None:
             if first:
                 metrics.on_prompt_prefilled(request.num_prompt_tokens)
-            metrics.on_token(
-                first=first, since_previous_s=now - (request.arrival_time if first else request.last_token_time)
-            )
+            if not scored_only:
+                since = now - (request.arrival_time if first else request.last_token_time)
+                metrics.on_token(first=first, since_previous_s=since)
         request.last_token_time = now
-        token_id = request.output_token_ids[-1]
-        detokenizer = self._detokenizers[request.request_id]
-        update = detokenizer.update([token_id], finished=request.is_finished)
-        if update.stop_string is not None:
-            if request.is_finished:
-                request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
-            else:
-                self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
+        token_ids, text = [], ""
+        if not scored_only:
+            token_ids = [request.output_token_ids[-1]]
+            update = self._detokenizers[request.request_id].update(token_ids, finished=request.is_finished)
+            text = update.delta_text
+            if update.stop_string is not None:
+                if request.is_finished:
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
+                else:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
         if request.is_finished:
             request.finished_time = now
             self._detokenizers.pop(request.request_id, None)
             if metrics is not None:
                 metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
-        return self._output(request, [token_id], update.delta_text, [lp] if lp else None)
+        output = self._output(request, token_ids, text, [lp] if lp else None)
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            output.prompt_logprobs = [None, *request.prompt_logprobs]
+        return output
 
     def _fail_request(self, request: Request, exc: BaseException) -> StepOutput:
         """End ``request`` after an internal error: seat and blocks freed, an output with ``error``."""

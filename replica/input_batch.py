@@ -24,9 +24,13 @@ from replica.shapes import padded_size
 class StepInputs:
     """One step's flat inputs (host arrays; ``T`` = tokens after step padding).
 
-    ``input_ids``, ``positions``: ``[T]``; ``logits_indices``: ``[R]`` (the packed token whose
-    logits each sampling row takes, padded to a bucket when the step is padded);
-    ``sample_rows``: ``[num_real_rows]``, the index into the scheduled rows of each real logits row.
+    ``input_ids``, ``positions``: ``[T]``; ``logits_indices``: ``[R]``, the packed token whose
+    logits each logits row takes: first one per sampling row, then one per prompt position whose
+    prompt logprob is asked for, then padding to a bucket when the step is padded;
+    ``sample_rows``: ``[num_sampling_rows]``, the index into the scheduled rows of each sampling row;
+    ``prompt_spans``: ``(scheduled row, first position, end position)`` of the prompt positions
+    whose logits rows follow the sampling rows, in order (position ``q`` scores prompt token
+    ``q + 1``).
     ``sequences`` is what the attention backend plans from.
     """
 
@@ -35,6 +39,12 @@ class StepInputs:
     logits_indices: np.ndarray
     sample_rows: list[int]
     sequences: StepSequences
+    prompt_spans: list[tuple[int, int, int]]
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Logits rows of prompt positions (after the sampling rows)."""
+        return sum(end - first for _, first, end in self.prompt_spans)
 
 
 class InputBatch:
@@ -107,13 +117,21 @@ class InputBatch:
         counts = np.empty(num_seqs, dtype=np.int64)
         samples = np.zeros(num_seqs, dtype=bool)
         padding_seqs = []
+        prompt_spans = []
         for i, sched in enumerate(scheduled):
-            rows[i] = self._sync(sched.request)
+            request = sched.request
+            rows[i] = self._sync(request)
             starts[i] = sched.start
             counts[i] = sched.num_new_tokens
             samples[i] = sched.samples
             if sched.is_padding:
                 padding_seqs.append(i)
+            elif request.sampling_params.prompt_logprobs is not None:
+                # Positions not scored yet (a recompute after preemption scores nothing twice).
+                first = max(sched.start, len(request.prompt_logprobs))
+                end = min(sched.start + sched.num_new_tokens, request.num_prompt_tokens - 1)
+                if end > first:
+                    prompt_spans.append((i, first, end))
         query_start = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start[1:])
         num_real = int(query_start[-1])
@@ -128,6 +146,10 @@ class InputBatch:
         seq_lens = starts + counts
         width = int(-(-seq_lens.max() // bs))
         logits_indices = query_start[1:][samples] - 1
+        if prompt_spans:
+            logits_indices = np.concatenate(
+                [logits_indices, *(np.arange(first, end) - starts[i] + query_start[i] for i, first, end in prompt_spans)]
+            )
         sample_rows = np.flatnonzero(samples).tolist()
         num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens)
         if num_tokens > num_real:
@@ -147,7 +169,7 @@ class InputBatch:
             slot_mapping=slots,
             num_tokens=num_tokens,
         )
-        return StepInputs(input_ids, positions, logits_indices, sample_rows, sequences)
+        return StepInputs(input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans)
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

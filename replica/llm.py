@@ -75,6 +75,7 @@ class LLM:
 
         texts: dict[str, list[str]] = {r.request_id: [] for _, _, r in requests}
         logprobs: dict[str, list] = {r.request_id: [] for _, _, r in requests}
+        prompt_logprobs: dict[str, list] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -85,6 +86,8 @@ class LLM:
                 texts[delta.request_id].append(delta.new_text)
                 if delta.new_logprobs:
                     logprobs[delta.request_id].extend(delta.new_logprobs)
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[delta.request_id] = delta.prompt_logprobs
                 if delta.finished and bar is not None:
                     bar.update(1)
         if bar is not None:
@@ -112,6 +115,7 @@ class LLM:
                     ],
                     finished=all(r.is_finished for _, r in members),
                     metrics=_latency_metrics(first),
+                    prompt_logprobs=prompt_logprobs.get(first.request_id),
                 )
             )
         return results

@@ -27,6 +27,7 @@ from replica.attention_backends import CpuBackend, ReferenceBackend
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block
+from replica.logprobs import token_logprobs
 from replica.model_loader import cache_dir, load_model, resolve_dtype
 from replica.request import TokenLogprobs
 from replica.sampler import Sampler
@@ -70,11 +71,13 @@ class StepResult:
     """Per scheduled row of a step: the sampled token (None if the row does not sample) and logprobs.
 
     ``errors`` maps a row to the exception that sampling that row alone raised (its token is None).
+    ``prompt_logprobs`` maps a row to the prompt logprobs its chunk computed, in position order.
     """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, Exception] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -297,7 +300,8 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one forward for ``out`` and sample the rows that reach their last known token."""
+        """Run one forward for ``out``, sample the rows that reach their last known token and score
+        the prompt positions whose logprobs are asked for."""
         with record_function("carpool.prepare_inputs"):
             inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens)
             seqs = inputs.sequences
@@ -326,7 +330,11 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=logits_indices,
                 **extra,
-            ).logits[0, :num_real_rows]  # [num_sampling_rows, vocab]
+            ).logits[0]  # [num_logits_rows, vocab]
+        if inputs.prompt_spans:
+            with record_function("carpool.prompt_logprobs"):
+                self._score_prompts(out, inputs, logits[num_real_rows : num_real_rows + inputs.num_prompt_rows], result)
+        logits = logits[:num_real_rows]  # [num_sampling_rows, vocab]
         if not sample_rows:
             return result
 
@@ -365,3 +373,24 @@ class ModelRunner:
             for i, token_id in zip(padding, logits[padding].argmax(dim=-1).tolist()):
                 result.sampled_token_ids[sample_rows[i]] = token_id
         return result
+
+    def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: StepResult) -> None:
+        """Prompt logprobs of ``inputs.prompt_spans`` from their logits rows ``[num_prompt_rows, V]``
+        into ``result.prompt_logprobs``; a failure ends only the requests of those rows."""
+        targets: list[int] = []
+        ks: list[int] = []
+        for i, first, end in inputs.prompt_spans:
+            request = out.scheduled[i].request
+            targets.extend(request.prompt_token_ids[first + 1 : end + 1])  # position q scores token q + 1
+            ks.extend([request.sampling_params.prompt_logprobs] * (end - first))
+        try:
+            entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), ks)
+        except Exception as exc:
+            logger.exception("prompt logprobs failed for %d rows", len(targets))
+            for i, _, _ in inputs.prompt_spans:
+                result.errors[i] = exc
+            return
+        offset = 0
+        for i, first, end in inputs.prompt_spans:
+            result.prompt_logprobs[i] = entries[offset : offset + end - first]
+            offset += end - first

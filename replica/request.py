@@ -25,6 +25,12 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+# Most entries a ``logit_bias`` may hold (OpenAI documents no cap; this bounds the work per request).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Range of a ``logit_bias`` value (OpenAI's): -100 effectively bans the token, 100 forces it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,7 +47,8 @@ class SamplingParams:
     Attributes:
         n: sequences to generate for the prompt (``LLM.generate`` and the API fan them out
             into ``n`` engine requests; a seeded request's i-th sequence uses ``seed + i``).
-        max_tokens: most output tokens to generate (tokens, >= 1).
+        max_tokens: most output tokens to generate (tokens, >= 0; 0 scores the prompt only: it is
+            prefilled, its ``prompt_logprobs`` computed, and the request ends with ``length``).
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
         temperature: 0 means greedy; otherwise logits are divided by it (>= 0).
         top_k: keep the k most likely tokens; 0 or -1 disables.
@@ -56,8 +63,16 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in ``token_ids``).
         ignore_eos: keep generating past EOS (benchmarks).
         logprobs: if set, return the sampled token's logprob and this many top alternatives.
+        prompt_logprobs: if set, return each prompt token's logprob given the tokens before it
+            (the first prompt token has none) and this many top alternatives, in [0, 20]. Only
+            requests that set it pay for the extra logits rows.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens (e.g. EOS) from the text.
+        logit_bias: ``{token id: bias}`` added to the raw logits before anything else (penalties,
+            min_tokens, temperature); OpenAI's: biases in [-100, 100] (-100 effectively bans the
+            token, 100 forces it), at most ``MAX_LOGIT_BIAS_ENTRIES`` entries. Logprobs stay
+            those of the unbiased logits (as vLLM reports them). The engine also refuses ids
+            outside the model's vocabulary.
     """
 
     n: int = 1
@@ -75,8 +90,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     MAX_LOGPROBS = 20
 
@@ -102,8 +119,8 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         number("max_tokens", self.max_tokens, integer=True)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}")
         number("min_tokens", self.min_tokens, integer=True)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
@@ -158,10 +175,27 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain non-negative integers, got {t!r}")
-        if self.logprobs is not None:
-            number("logprobs", self.logprobs, integer=True)
-            if not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                number(name, value, integer=True)
+                if not 0 <= value <= self.MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(
+                    f"logit_bias holds at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}"
+                )
+            for token_id, bias in self.logit_bias.items():
+                if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative integer token ids, got {token_id!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {token_id}")
+                if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+            self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
 
 
 @dataclass
@@ -182,6 +216,10 @@ class TokenLogprobs:
 @dataclass(eq=False)
 class Request:
     """One generation request as the engine tracks it.
+
+    ``prompt_logprobs`` (when ``sampling_params.prompt_logprobs`` is set) holds entry ``p - 1`` for
+    prompt token ``p >= 1``, filled chunk by chunk as the prompt is prefilled (kept across a
+    preemption, so a recompute does not add them twice).
 
     ``num_tokens`` = prompt + output tokens known so far; a request is *prefilling* while
     ``num_computed_tokens < num_tokens - 1`` would leave known tokens without K/V. After a
@@ -209,6 +247,8 @@ class Request:
     is_padding: bool = False
     finish_step: int | None = None
     generator: Any = None  # torch.Generator for seeded sampling, owned by the model runner
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False  # handed out in a StepOutput already
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -262,6 +302,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -276,6 +317,8 @@ class StepOutput:
     (text held back while it could still be the start of a stop string is emitted later).
     ``error`` is set (and ``finish_reason`` is ``abort``) when the engine ended this request
     because of an internal error in its own processing or in its step's forward.
+    ``prompt_logprobs`` (requests that ask for them) comes once, with the request's first delta:
+    one entry per prompt token, ``None`` for the first.
     """
 
     request_id: str
@@ -288,6 +331,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def merged(self, later: "StepOutput") -> "StepOutput":
         """This delta followed by ``later`` (of the same request) as one delta: tokens, text and
@@ -306,4 +350,5 @@ class StepOutput:
             num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens,
             error=later.error,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )

@@ -2,6 +2,9 @@
 
 The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
 
+0. **Logit bias** (:func:`apply_logit_bias`), first, only on the rows that set one: OpenAI's
+   ``logit_bias`` ``{token id: bias}`` is added to the logits (one ``index_put_`` over all
+   (row, token) pairs); -100 effectively bans a token, 100 forces it. Same place as vLLM's.
 1. **Penalties** (:func:`apply_penalties`), only on the rows that ask for them:
    repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858, with Hugging Face's sign rule:
    over prompt + output tokens, a positive logit is divided by the penalty, a negative one
@@ -21,8 +24,8 @@ The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
    A seeded request draws its ``q`` only from its own ``torch.Generator``, so its samples do not
    depend on its batch mates or its row index; unseeded rows share one draw from the default
    generator.
-5. **Logprobs** (rows that ask): log-softmax of the *raw* logits (before penalties and
-   temperature, as vLLM reports them), the sampled token's logprob and rank, and the top ``k``.
+5. **Logprobs** (rows that ask): log-softmax of the *raw* logits (before logit bias, penalties
+   and temperature, as vLLM reports them), the sampled token's logprob and rank, and the top ``k``.
 
 Python loops run over rows only (a few hundred at most), never over the vocabulary.
 """
@@ -37,12 +40,13 @@ from typing import Sequence
 import torch
 
 from replica import cpu_kernels
+from replica.logprobs import token_logprobs
 from replica.request import Request, TokenLogprobs
 
 # Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-__all__ = ["Sampler", "SamplerOutput", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p"]
+__all__ = ["Sampler", "SamplerOutput", "apply_logit_bias", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p"]
 
 
 @dataclass
@@ -68,14 +72,40 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy, with nothing that needs float32 logits: no penalty, no min_tokens mask, no logprobs."""
+    """Greedy, with nothing that needs float32 logits: no logit bias, no penalty, no min_tokens
+    mask, no logprobs."""
     p = request.sampling_params
     return (
         p.temperature < GREEDY_TEMPERATURE_EPS
         and p.logprobs is None
+        and not p.logit_bias
         and not _needs_penalties(request)
         and len(request.output_token_ids) >= p.min_tokens
     )
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Add each row's ``sampling_params.logit_bias`` (``{token id: bias}``) to its logits; in place.
+
+    Args:
+        logits: ``[num_rows, V]`` float tensor; row ``i`` belongs to ``requests[i]``. Only the
+            (row, token) pairs named by a bias change; rows without one are left as they are.
+        requests: the rows' requests. Token ids must be ``< V`` (the engine refuses others).
+    """
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, r in enumerate(requests):
+        bias = r.sampling_params.logit_bias
+        if bias:
+            row_ids.extend([i] * len(bias))
+            token_ids.extend(bias.keys())
+            biases.extend(bias.values())
+    if row_ids:
+        device = logits.device
+        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, dtype=torch.long, device=device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -252,10 +282,14 @@ class Sampler:
         raw = logits.float()
         work = raw
         needs_copy = any(
-            _needs_penalties(r) or len(r.output_token_ids) < r.sampling_params.min_tokens for r in requests
+            r.sampling_params.logit_bias
+            or _needs_penalties(r)
+            or len(r.output_token_ids) < r.sampling_params.min_tokens
+            for r in requests
         )
         if needs_copy:
             work = raw.clone()  # raw stays untouched for logprobs
+            apply_logit_bias(work, requests)
             apply_penalties(work, requests)
             apply_min_tokens(work, requests)
 
@@ -278,7 +312,7 @@ class Sampler:
             token_ids[index] = self._sample_random(owned, [requests[i] for i in random_rows])
 
         token_list = token_ids.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids, token_list))
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids))
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -329,7 +363,7 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        raw: torch.Tensor, requests: Sequence[Request], token_ids: torch.Tensor, token_list: list[int]
+        raw: torch.Tensor, requests: Sequence[Request], token_ids: torch.Tensor
     ) -> list[TokenLogprobs | None]:
         """Logprobs from the raw logits ``[num_rows, V]`` for rows whose request sets ``logprobs``."""
         out: list[TokenLogprobs | None] = [None] * len(requests)
@@ -337,16 +371,7 @@ class Sampler:
         if not rows:
             return out
         index = torch.tensor(rows, device=raw.device)
-        logprobs = raw.index_select(0, index).log_softmax(dim=-1)  # [n, V]
-        sampled = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1))  # [n, 1]
-        ranks = ((logprobs > sampled).sum(dim=-1) + 1).tolist()  # 1 = most likely
-        max_k = max(requests[i].sampling_params.logprobs for i in rows)
-        if max_k > 0:
-            top = logprobs.topk(max_k, dim=-1)
-            top_values, top_ids = top.values.tolist(), top.indices.tolist()
-        sampled_list = sampled.squeeze(1).tolist()
-        for j, i in enumerate(rows):
-            k = requests[i].sampling_params.logprobs
-            pairs = list(zip(top_ids[j][:k], top_values[j][:k])) if k > 0 else []
-            out[i] = TokenLogprobs(token_id=token_list[i], logprob=sampled_list[j], rank=ranks[j], top=pairs)
+        ks = [requests[i].sampling_params.logprobs for i in rows]
+        for i, entry in zip(rows, token_logprobs(raw.index_select(0, index), token_ids.index_select(0, index), ks)):
+            out[i] = entry
         return out

@@ -248,7 +248,8 @@ class Scheduler:
             request=request,
             start=start,
             num_new_tokens=num_new,
-            samples=start + num_new == request.num_tokens,
+            # max_tokens == 0 (score the prompt only): the prefill ends the request, nothing is sampled
+            samples=start + num_new == request.num_tokens and request.sampling_params.max_tokens > 0,
         )
 
     def _schedule_padding(self, request: Request) -> ScheduledRequest | None:
@@ -305,7 +306,8 @@ class Scheduler:
         """Advance ``num_computed_tokens``, append sampled tokens and apply token-level stops.
 
         ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
-        row does not sample). Returns the requests that produced a token this step, in order;
+        row does not sample). Returns the requests that produced a token this step (or, with
+        ``max_tokens == 0``, finished their prefill), in order;
         those that finished have ``status == FINISHED`` and their seat and blocks are already
         free (static: kept as padding until the batch ends).
         """
@@ -319,6 +321,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += scheduled.num_new_tokens
             if not scheduled.samples:
+                if request.sampling_params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                    produced.append(request)  # the prompt is prefilled (and scored): done, no token
+                    self._finish(request, FinishReason.LENGTH, None)
                 continue
             assert token_id is not None
             request.output_token_ids.append(token_id)

@@ -43,6 +43,7 @@ from replica.config import EngineConfig
 from router.config import IngressConfig
 from router.errors import configure, install
 from router.fanout import ChoiceStream, Fanout, cancel_all
+from router.body_checks import BodyChecks
 from router.preparation import RequestPreparer
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.replica_view import ReplicaView
@@ -77,6 +78,7 @@ class OpenAIIngress:
         self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
         configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self.replicas = ReplicaView(replica, seats=engine_config.max_num_seqs, waiting=self.config.max_waiting_requests)
+        self.checks = BodyChecks(self.config, self.model_name)
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
         self.fanout = Fanout(replica, self.replicas)
         self.responses = ResponseFormatter(self.tokenizer)
@@ -136,7 +138,7 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         """OpenAI's completions: one JSON body, or server-sent events with ``stream``."""
         self.fanout.admit()
-        choices, param = self.preparer.check_completion(body)
+        choices, param = self.checks.check_completion(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
         prepared = await self.preparer.completion(body, await self.replicas.model_info())
@@ -150,7 +152,7 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest):
         """OpenAI's chat completions: one JSON body, or server-sent events with ``stream``."""
         self.fanout.admit()
-        choices, param = self.preparer.check_chat(body)
+        choices, param = self.checks.check_chat(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
         prepared = await self.preparer.chat(body, await self.replicas.model_info())

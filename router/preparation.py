@@ -1,11 +1,10 @@
-"""Request preparation: from a validated body to token ids and one ``SamplingParams`` per choice.
+"""Request preparation: from a checked body (:mod:`router.body_checks`) to token ids and one
+``SamplingParams`` per choice.
 
-Owns: the checks of a body against the server's caps (:class:`~router.config.IngressConfig`) and
-the unsupported options (:meth:`RequestPreparer.check_completion`,
-:meth:`RequestPreparer.check_chat`); the chat template and tokenization, run off the event loop;
-the checks of a prompt against the vocabulary and ``max_model_len``; and the fan-out plan
-(:class:`Prepared`): choice ``prompt_index * n + j`` of a seeded request uses ``seed + j``.
-Every refusal is an :class:`~router.protocol.OpenAIError` (4xx) naming the field.
+Owns: the chat template and tokenization, run off the event loop; the checks of a prompt against
+the vocabulary and ``max_model_len``; the defaults and limits of ``max_tokens`` and ``min_tokens``;
+and the fan-out plan (:class:`Prepared`): choice ``prompt_index * n + j`` of a seeded request uses
+``seed + j``. Every refusal is an :class:`~router.protocol.OpenAIError` (4xx) naming the field.
 """
 
 # No "from __future__ import annotations", as in router/ingress.py.
@@ -16,9 +15,14 @@ import uuid
 from typing import Any
 
 from replica.request import SamplingParams
+from router.body_checks import parse_logit_bias
+from router.chat_template import ChatEncoder
 from router.config import IngressConfig
 from router.errors import sampling_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
+
+
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 
 
 class Prepared:
@@ -56,12 +60,12 @@ class Prepared:
 
 
 class RequestPreparer:
-    """Checks bodies against the server's caps and turns them into :class:`Prepared` requests.
+    """Turns bodies checked by :class:`~router.body_checks.BodyChecks` into :class:`Prepared` requests.
 
     Args:
-        config: the caps (``max_n``, ``max_logprobs``, stop sequences, prompts, choices).
+        config: the server's settings (the same :class:`~router.config.IngressConfig`).
         tokenizer: the model's Hugging Face tokenizer (chat template, encode, decode).
-        model_name: the served model name; a body naming another model gets 404.
+        model_name: the served model name (the responses carry it).
     """
 
     def __init__(self, config: IngressConfig, tokenizer: Any, model_name: str) -> None:
@@ -71,89 +75,7 @@ class RequestPreparer:
         # Characters of the longest token (byte-level BPE and SentencePiece pieces decode to at
         # most as many characters as their vocabulary strings have); see _check_prompt_chars.
         self._max_token_chars = max(1, max(len(t) for t in tokenizer.get_vocab()))
-
-    # ---- checks before any replica is asked ------------------------------------------------------
-    def check_completion(self, body: CompletionRequest) -> tuple[int, str]:
-        """Check a ``/v1/completions`` body against the caps and the options supported.
-
-        Returns:
-            (choices, param): the replica requests it asks for (prompts x ``n``) and the field
-            that names them in an error (``prompt`` for a list of prompts, else ``n``).
-        Raises:
-            OpenAIError: 404 for another model, 400 naming the field otherwise.
-        """
-        self._check_common(body)
-        if body.suffix:
-            raise OpenAIError("suffix is not supported", param="suffix", code="unsupported")
-        if body.best_of is not None and body.best_of != body.n:
-            raise OpenAIError("best_of other than n is not supported", param="best_of", code="unsupported")
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo", code="unsupported")
-        caps = self.config
-        if len(body.prompt) > caps.max_prompts_per_request:
-            raise OpenAIError(
-                f"prompt: at most {caps.max_prompts_per_request} prompts per request, got {len(body.prompt)}",
-                param="prompt", code="invalid_value",
-            )
-        fanout_param = "prompt" if len(body.prompt) > 1 else "n"
-        self._check_fanout(len(body.prompt) * body.n, fanout_param)
-        if body.logprobs is not None and body.logprobs > caps.max_logprobs:
-            raise OpenAIError(f"logprobs: must be at most {caps.max_logprobs}, got {body.logprobs}", param="logprobs", code="invalid_value")
-        return len(body.prompt) * body.n, fanout_param
-
-    def check_chat(self, body: ChatCompletionRequest) -> tuple[int, str]:
-        """Check a ``/v1/chat/completions`` body against the caps and the options supported.
-
-        Returns:
-            (choices, param): ``(n, "n")``, as :meth:`check_completion`.
-        Raises:
-            OpenAIError: 404 for another model, 400 naming the field otherwise.
-        """
-        self._check_common(body)
-        if body.tools:
-            raise OpenAIError("tools are not supported", param="tools", code="unsupported")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format", code="unsupported")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        if body.top_logprobs is not None and body.top_logprobs > self.config.max_logprobs:
-            raise OpenAIError(
-                f"top_logprobs: must be at most {self.config.max_logprobs}, got {body.top_logprobs}",
-                param="top_logprobs", code="invalid_value",
-            )
-        self._check_fanout(body.n, "n")
-        return body.n, "n"
-
-    def _check_common(self, body: _SamplingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, param="model", code="model_not_found")
-        if body.n > self.config.max_n:
-            raise OpenAIError(f"n: must be at most {self.config.max_n}, got {body.n}", param="n", code="invalid_value")
-        if body.logit_bias:
-            raise OpenAIError("logit_bias is not supported", param="logit_bias", code="unsupported")
-        if body.stream_options is not None and not body.stream:
-            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options", code="invalid_value")
-        stops = body.stop or []
-        if len(stops) > self.config.max_stop_sequences:
-            raise OpenAIError(
-                f"stop: at most {self.config.max_stop_sequences} stop sequences, got {len(stops)}",
-                param="stop", code="invalid_value",
-            )
-        longest = max((len(s) for s in stops), default=0)
-        if longest > self.config.max_stop_sequence_length:
-            raise OpenAIError(
-                f"stop: a stop sequence has at most {self.config.max_stop_sequence_length} characters, got {longest}",
-                param="stop", code="invalid_value",
-            )
-
-    def _check_fanout(self, choices: int, param: str) -> None:
-        """Prompts × ``n`` (one replica request each) must not pass ``max_choices_per_request``."""
-        if choices > self.config.max_choices_per_request:
-            raise OpenAIError(
-                f"{param}: the request asks for {choices} choices (prompts x n), at most "
-                f"{self.config.max_choices_per_request} are allowed",
-                param=param, code="invalid_value",
-            )
+        self._chat_encoder = ChatEncoder(tokenizer)  # the client's text stays text (router/chat_template.py)
 
     # ---- tokens and sampling parameters ----------------------------------------------------------
     async def completion(self, body: CompletionRequest, info: dict[str, Any]) -> Prepared:
@@ -176,7 +98,11 @@ class RequestPreparer:
                 texts.append(self.tokenizer.decode(ids) if body.echo else "")
             self._check_prompt(ids, info, param)
             prompts.append(ids)
-        return self._prepare("cmpl", body, prompts, texts, body.max_tokens, body.logprobs, info)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # echo scores the prompt too
+            prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+        default = max(DEFAULT_COMPLETION_TOKENS, body.min_tokens)
+        return self._prepare("cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info)
 
     async def chat(self, body: ChatCompletionRequest, info: dict[str, Any]) -> Prepared:
         """Apply the chat template to a checked ``/v1/chat/completions`` body and tokenize it (in
@@ -190,7 +116,8 @@ class RequestPreparer:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        return self._prepare("chatcmpl", body, [ids], [""], max_tokens, logprobs, info, param)
+        default = info["max_model_len"]  # all the context leaves
+        return self._prepare("chatcmpl", body, [ids], [""], max_tokens, default, logprobs, body.prompt_logprobs, info, param)
 
     def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str) -> None:
         vocab = info["vocab_size"]
@@ -225,7 +152,8 @@ class RequestPreparer:
 
         Raises:
             OpenAIError: 400 if the client sends its own ``chat_template`` (a template is code:
-                the server runs only the model's), the template fails, or the text is too long.
+                the server runs only the model's), the template fails, the text is too long, or
+                it holds control-token text the template cannot keep as plain text.
         """
         kwargs = dict(body.chat_template_kwargs or {})
         if "chat_template" in kwargs:
@@ -240,18 +168,23 @@ class RequestPreparer:
             content = m["content"]
             if isinstance(content, str):
                 self._check_prompt_chars(content, info, f"messages.{i}.content")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
-                **kwargs,
-            )
-        except Exception as exc:  # jinja errors, e.g. a role the template rejects
-            raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages", code="invalid_value") from None
-        self._check_prompt_chars(text, info, "messages")
-        return self._encode(text, "messages", add_special_tokens=False)
+
+        def render(chat: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    chat,
+                    tokenize=False,
+                    add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                    continue_final_message=body.continue_final_message,
+                    **template_kwargs,
+                )
+            except Exception as exc:  # jinja errors, e.g. a role the template rejects
+                raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages", code="invalid_value") from None
+            self._check_prompt_chars(text, info, "messages")
+            return text
+
+        # Control-token text in the client's strings is tokenized as plain text, never parsed.
+        return self._chat_encoder.encode(messages, kwargs, render, lambda text: self._encode(text, "messages", add_special_tokens=False))
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """Tokenize, turning a text the tokenizer refuses (e.g. a lone UTF-16 surrogate) into a 400."""
@@ -267,16 +200,27 @@ class RequestPreparer:
         prompts: list[list[int]],
         texts: list[str],
         max_tokens: int | None,
+        default_max_tokens: int,
         logprobs: int | None,
+        prompt_logprobs: int | None,
         info: dict[str, Any],
         max_tokens_param: str = "max_tokens",
     ) -> Prepared:
+        """One SamplingParams per choice. An omitted ``max_tokens`` is ``default_max_tokens`` capped
+        at what the context leaves after the prompt; an explicit one must fit. ``min_tokens`` must
+        fit under both (else 400 naming ``min_tokens``), and ``stop_token_ids`` in the vocabulary."""
         limit = info["max_model_len"]
+        for t in body.stop_token_ids or ():
+            if t >= info["vocab_size"]:
+                raise OpenAIError(
+                    f"stop_token_ids: token id {t} is outside the vocabulary [0, {info['vocab_size']})",
+                    param="stop_token_ids", code="invalid_value",
+                )
         params: list[list[SamplingParams]] = []
         for i, ids in enumerate(prompts):
             room = limit - len(ids)
             if max_tokens is None:
-                tokens = room
+                tokens = min(default_max_tokens, room)
             elif len(ids) + max_tokens > limit:
                 raise OpenAIError(
                     f"{max_tokens_param}: this model's maximum context length is {limit} tokens. However, you requested "
@@ -287,6 +231,9 @@ class RequestPreparer:
                 )
             else:
                 tokens = max_tokens
+            if body.min_tokens > tokens:
+                bound = f"{max_tokens_param} ({tokens})" if max_tokens is not None else f"the {tokens} tokens the context leaves after the prompt"
+                raise OpenAIError(f"min_tokens ({body.min_tokens}) exceeds {bound}", param="min_tokens", code="invalid_value")
             per_prompt = []
             for j in range(body.n):
                 try:
@@ -294,7 +241,7 @@ class RequestPreparer:
                         SamplingParams(
                             n=1,
                             max_tokens=tokens,
-                            min_tokens=min(body.min_tokens, tokens),
+                            min_tokens=body.min_tokens,
                             temperature=1.0 if body.temperature is None else body.temperature,
                             top_p=1.0 if body.top_p is None else body.top_p,
                             top_k=0 if body.top_k is None else body.top_k,
@@ -307,8 +254,10 @@ class RequestPreparer:
                             stop_token_ids=list(body.stop_token_ids or []),
                             ignore_eos=body.ignore_eos,
                             logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs,
                             include_stop_str_in_output=body.include_stop_str_in_output,
                             skip_special_tokens=body.skip_special_tokens,
+                            logit_bias=parse_logit_bias(body.logit_bias, info["vocab_size"]),
                         )
                     )
                 except ValueError as exc:

@@ -110,7 +110,11 @@ class _SamplingRequest(BaseModel):
     seed: StrictInt | None = Field(None, description="Choice i of a seeded request uses seed + i.")
     stop: Any = Field(None, description="A string or a list of strings that end generation (max_stop_sequences).")
     user: StrictStr | None = None
-    logit_bias: dict[str, Any] | None = Field(None, description="Not supported: must be empty.")
+    logit_bias: dict[str, Any] | None = Field(
+        None,
+        description="Token id (a string of an integer) to a bias in [-100, 100] added to the logits before "
+        "sampling (-100 bans the token, 100 forces it); at most 1024 entries. Logprobs stay unbiased.",
+    )
     # vLLM extras
     top_k: StrictInt | None = Field(None, ge=-1, description="-1 or 0 disables.")
     min_p: Number | None = Field(None, ge=0, le=1)
@@ -120,6 +124,9 @@ class _SamplingRequest(BaseModel):
     min_tokens: StrictInt = Field(0, ge=0)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: StrictInt | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Each prompt token's logprob and this many top alternatives (vLLM's extra)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -138,7 +145,10 @@ class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Any = Field(..., description="A string, a list of strings, a list of token ids, or a list of such lists.")
-    max_tokens: StrictInt | None = Field(16, ge=1, description="Output tokens at most (default 16).")
+    max_tokens: StrictInt | None = Field(
+        None, ge=0, description="Output tokens at most; omitted: 16 (at least min_tokens), capped at what the context leaves; "
+        "0 with echo scores the prompt only.",
+    )
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: StrictStr | None = Field(None, description="Not supported.")

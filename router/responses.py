@@ -36,11 +36,15 @@ class Choice:
         prompt_index: the prompt it continues.
         text: the text pieces, in order.
         token_ids, logprobs: the output tokens and their logprobs (when asked for).
+        prompt_logprobs: one entry per prompt token (None for the first), when asked for.
         finish_reason, stop_reason: set by the last delta.
         num_output_tokens: output tokens so far.
     """
 
-    __slots__ = ("index", "prompt_index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_output_tokens")
+    __slots__ = (
+        "index", "prompt_index", "text", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason",
+        "num_output_tokens",
+    )
 
     def __init__(self, index: int, prompt_index: int) -> None:
         self.index = index
@@ -48,6 +52,7 @@ class Choice:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_output_tokens = 0
@@ -58,6 +63,8 @@ class Choice:
         self.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_output_tokens = delta.num_output_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
@@ -122,8 +129,34 @@ class ResponseFormatter:
                 self._token_text[token_id] = text
         return text
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(
+        self,
+        logprobs: list[TokenLogprobs],
+        offset: int,
+        prompt_ids: list[int] = (),
+        prompt: list[TokenLogprobs | None] | None = None,
+        k: int = 0,
+    ) -> dict[str, Any]:
+        """The legacy ``logprobs`` object of a completion choice: ``tokens``, ``token_logprobs``,
+        ``top_logprobs`` and ``text_offset`` (characters), for the output tokens from ``offset``
+        on; with ``prompt`` (echo: the prompt logprobs of ``prompt_ids``), first for the prompt
+        tokens from offset 0, the first token's entries ``null``, each with at most ``k``
+        alternatives."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
+        prompt_offset = 0
+        for token_id, lp in zip(prompt_ids, prompt or ()):
+            token = self._token_str(token_id)
+            if lp is None:  # the first prompt token: nothing comes before it
+                value, top = None, None
+            else:
+                value = _finite(lp.logprob)
+                top = {self._token_str(t): _finite(v) for t, v in lp.top[:k]}
+                top.setdefault(token, value)
+            tokens.append(token)
+            token_logprobs.append(value)
+            tops.append(top)
+            offsets.append(prompt_offset)
+            prompt_offset += len(token)
         for lp in logprobs:
             token = self._token_str(lp.token_id)
             tokens.append(token)
@@ -134,6 +167,24 @@ class ResponseFormatter:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, entries: list[TokenLogprobs | None] | None, k: int | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token ``null`` (the first) or a map from token id
+        to ``{"logprob", "rank", "decoded_token"}`` holding the prompt token and its ``k`` top
+        alternatives; None when ``k`` is None (not asked for)."""
+        if entries is None or k is None:
+            return None
+        out: list[dict[str, Any] | None] = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = {t: (v, r) for r, (t, v) in enumerate(lp.top[:k], start=1)}
+            ranked[lp.token_id] = (lp.logprob, lp.rank)
+            out.append({
+                str(t): {"logprob": _finite(v), "rank": r, "decoded_token": self._token_str(t)} for t, (v, r) in ranked.items()
+            })
+        return out
 
     def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
         def entry(token_id: int, value: float) -> dict[str, Any]:
@@ -153,13 +204,18 @@ class ResponseFormatter:
         for c in choices:
             prefix = prepared.prompt_texts[c.prompt_index] if body.echo else ""
             text = "".join(c.text)
+            logprobs = None
+            if body.logprobs is not None:
+                scored = (prepared.prompts[c.prompt_index], c.prompt_logprobs, body.logprobs) if body.echo else ()
+                logprobs = self._completion_logprobs(c.logprobs, len(prefix), *scored)
             out.append(
                 {
                     "index": c.index,
                     "text": prefix + text,
-                    "logprobs": self._completion_logprobs(c.logprobs, len(prefix)) if body.logprobs is not None else None,
+                    "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
+                    "prompt_logprobs": self._prompt_logprobs(c.prompt_logprobs, body.prompt_logprobs),
                 }
             )
         return _response_body(prepared, "text_completion", out, self._usage(prepared, choices))
@@ -178,7 +234,9 @@ class ResponseFormatter:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return _response_body(prepared, "chat.completion", out, self._usage(prepared, choices))
+        response = _response_body(prepared, "chat.completion", out, self._usage(prepared, choices))
+        response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)  # vLLM's place
+        return response
 
     # ---- streamed events -------------------------------------------------------------------------
     def completion_events(
@@ -190,31 +248,45 @@ class ResponseFormatter:
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``text_completion`` events of ``deltas`` (``(choice index, delta)``, raising
         :class:`~router.errors.StreamError` on a replica failure, which becomes the last event):
-        first the prompts with ``echo``, then the text of each delta. ``on_close`` runs however
-        the events end (it cancels the replica requests)."""
+        first the prompts with ``echo`` (with ``logprobs`` too: in each choice's first event, which
+        carries the prompt's logprobs), then the text of each delta; ``prompt_logprobs`` come with
+        a choice's first delta. ``on_close`` runs however the events end (it cancels the replica
+        requests)."""
         jobs = prepared.jobs()
+        prompt_of = {index: p for index, p, _, _ in jobs}
         offsets = {index: len(prepared.prompt_texts[p]) if body.echo else 0 for index, p, _, _ in jobs}
+        echo_scored = body.echo and body.logprobs is not None
+        unechoed = set(prompt_of) if echo_scored else set()  # choices whose prompt is still to echo
         opening = []
-        if body.echo:
+        if body.echo and not echo_scored:
             opening.append([
                 {"index": index, "text": prepared.prompt_texts[p], "logprobs": None, "finish_reason": None}
                 for index, p, _, _ in jobs
             ])
 
         def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
-            if not delta.new_text and not delta.finished and not (body.logprobs is not None and delta.new_logprobs):
+            first = index in unechoed or delta.prompt_logprobs is not None
+            if not (first or delta.new_text or delta.finished or (body.logprobs is not None and delta.new_logprobs)):
                 return None
+            prefix, scored = "", ()
+            if index in unechoed:
+                unechoed.discard(index)
+                p = prompt_of[index]
+                prefix, scored = prepared.prompt_texts[p], (prepared.prompts[p], delta.prompt_logprobs, body.logprobs)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index])
-                offsets[index] += sum(len(t) for t in logprobs["tokens"])
-            return {
+                logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index], *scored)
+                offsets[index] += sum(len(t) for t in logprobs["tokens"][len(scored[0]) if scored else 0 :])
+            item = {
                 "index": index,
-                "text": delta.new_text,
+                "text": prefix + delta.new_text,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }
+            if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                item["prompt_logprobs"] = self._prompt_logprobs(delta.prompt_logprobs, body.prompt_logprobs)
+            return item
 
         return self._events(prepared, "text_completion", body, opening, deltas, entry, on_close)
 
@@ -233,15 +305,21 @@ class ResponseFormatter:
         ]
 
         def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
-            if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs):
+            prompt_logprobs = None
+            if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, body.prompt_logprobs)
+            if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs) and prompt_logprobs is None:
                 return None
-            return {
+            item = {
                 "index": index,
                 "delta": {"content": delta.new_text} if delta.new_text or not delta.finished else {},
                 "logprobs": {"content": self._chat_logprobs(delta.new_logprobs or [])} if body.logprobs else None,
                 "finish_reason": delta.finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }
+            if prompt_logprobs is not None:
+                item["prompt_logprobs"] = prompt_logprobs
+            return item
 
         return self._events(prepared, "chat.completion.chunk", body, opening, deltas, entry, on_close)
 

@@ -53,6 +53,7 @@ def offline(
     compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model (--no-compile: eager)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap text prompts in the model's chat template."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
+    prompt_logprobs_requests: int = typer.Option(0, min=0, help="The first N requests also score their prompt (prompt_logprobs=1); not with sweep."),
 ) -> None:
     """Run a workload through the engine under continuous and static batching; print a table."""
     from cluster.bench.offline import offline_main
@@ -73,7 +74,7 @@ def offline(
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_bytes, num_requests=num_requests, short=short, long=long,
             mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
-            attention_backend=attention_backend, compile=compile,
+            attention_backend=attention_backend, compile=compile, prompt_logprobs_requests=prompt_logprobs_requests,
         )
     except ValueError as exc:
         _fail(str(exc))

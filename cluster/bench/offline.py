@@ -62,6 +62,7 @@ def offline_main(
     out: TextIO | None = None,
     attention_backend: str = "auto",
     compile: bool = True,
+    prompt_logprobs_requests: int = 0,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
@@ -82,6 +83,8 @@ def offline_main(
         threads: torch threads (default: torch's own choice).
         chat_template: wrap text prompts in the tokenizer's chat template.
         progress: show progress bars (on stderr).
+        prompt_logprobs_requests: this many requests of the workload (the first ones) also ask for
+            their prompt's logprobs (``prompt_logprobs=1``): what scoring costs the others.
     Raises:
         ValueError: an unknown workload or compare target, or a bad JSONL file.
     """
@@ -163,6 +166,9 @@ def offline_main(
             summary["plots"] = [str(plot_sweep(points, png(plot_path, "sweep"), title))]
     else:
         wl.tokenize(requests, llm.tokenizer, chat_template=chat_template)
+        for request in requests[:prompt_logprobs_requests]:
+            request.prompt_logprobs = 1
+        summary["prompt_logprobs_requests"] = min(prompt_logprobs_requests, len(requests))
         results = _run_all(requests, **run)
         summary.update(
             num_requests=len(requests),

@@ -57,6 +57,7 @@ class BenchRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     arrival_step: int = 0
+    prompt_logprobs: int | None = None  # also score the prompt (SamplingParams.prompt_logprobs)
 
 
 def seed_example() -> list[BenchRequest]:

@@ -342,10 +342,15 @@ def bodies(mode: str):
         "skip_special_tokens": field(st.booleans()),
         "include_stop_str_in_output": field(st.booleans()),
         "user": field(st.text(max_size=10)),
+        "logit_bias": field(
+            st.dictionaries(st.integers(0, 49151).map(str), st.integers(-100, 100), max_size=2),
+            st.dictionaries(st.one_of(st.integers(-3, 60000).map(str), st.text(max_size=4)),
+                            st.one_of(st.integers(-150, 150), st.floats(-150, 150)), max_size=2),
+        ),
+        "prompt_logprobs": field(st.integers(0, 5), st.integers(-1, 25)),
     }
     if mode != "valid":
         common["stream_options"] = field(st.fixed_dictionaries({"include_usage": field(st.booleans())}))
-        common["logit_bias"] = field(st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=2))
     completion_extra = {"echo": field(st.booleans()), "logprobs": field(st.integers(0, 5), st.integers(-1, 25))}
     if mode != "valid":
         completion_extra |= {"suffix": field(st.text(max_size=3)), "best_of": field(st.integers(-1, 4))}

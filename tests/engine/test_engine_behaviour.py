@@ -265,7 +265,7 @@ def _bad_params(field: str, value) -> SamplingParams:
 
 
 BAD_PARAMS = [
-    ("max_tokens", 0, r"^max_tokens must be at least 1"),
+    ("max_tokens", -1, r"^max_tokens must be at least 0"),
     ("top_p", 0.0, r"^top_p must be in \(0, 1\]"),
     ("top_p", 1.5, r"^top_p must be in \(0, 1\]"),
     ("temperature", -1.0, r"^temperature must be >= 0"),
@@ -273,6 +273,8 @@ BAD_PARAMS = [
     ("stop", [1], r"^stop must contain only strings"),
     ("logprobs", 21, r"^logprobs must be in \[0, 20\]"),
     ("n", 0, r"^n must be at least 1"),
+    ("logit_bias", {5: 101}, r"^logit_bias values must be in \[-100, 100\]"),
+    ("logit_bias", {"5": 1.0}, r"^logit_bias keys must be non-negative integer token ids"),
 ]
 
 
@@ -322,6 +324,10 @@ def test_bad_input_raises_at_add_request_without_disturbing_running_requests(llm
         (dict(prompt="x " * 400), r"^prompt is \d+ tokens; max_model_len is 128"),
         (dict(prompt_token_ids=[5], sampling_params="greedy"), r"^sampling_params must be a SamplingParams"),
         (dict(request_id="run-1", prompt_token_ids=[5, 6]), r"^request_id 'run-1' is already in use"),
+        (
+            dict(prompt_token_ids=[5, 6], sampling_params=greedy(logit_bias={3: 1.0, engine.vocab_size: -100})),
+            r"^logit_bias holds token id 49152, outside the vocabulary",
+        ),
     ] + [
         (dict(prompt_token_ids=[5, 6], sampling_params=_bad_params(field, value)), message)
         for field, value, message in BAD_PARAMS
@@ -520,6 +526,31 @@ def test_n2_with_seed(llm, engine):
         single = SamplingParams(temperature=1.5, seed=11 + j, max_tokens=8, ignore_eos=True)
         [one] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=single)
         assert one.outputs[0].token_ids == out.outputs[j].token_ids
+    assert_idle(engine)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_batch_mates_unchanged(llm, engine, base):
+    tokens, _ = base
+    banned = set(tokens[:8])  # every token the greedy run emits first
+    seeded = SamplingParams(temperature=1.0, seed=21, max_tokens=8, ignore_eos=True)
+    [seeded_alone] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=seeded)
+    batch = [
+        greedy(max_tokens=8),
+        greedy(max_tokens=8, logit_bias={t: -100 for t in banned}),
+        seeded,
+        SamplingParams(temperature=1.0, seed=22, max_tokens=8, ignore_eos=True, logit_bias={4321: 100}),
+    ]
+    outs = llm.generate(prompt_token_ids=[PROMPT] * 4, sampling_params=batch)
+    plain, biased, seeded_out, forced = (o.outputs[0].token_ids for o in outs)
+    assert plain == tokens[:8]  # batch mates without a bias: the same tokens as alone
+    assert seeded_out == seeded_alone.outputs[0].token_ids
+    assert len(biased) == 8 and not banned & set(biased)
+    assert forced == [4321] * 8
+    # Seeded random sampling, with every token it drew unbiased banned, draws none of them.
+    drawn = set(seeded_alone.outputs[0].token_ids)
+    [out] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=1.0, seed=21, max_tokens=8, ignore_eos=True, logit_bias={t: -100 for t in drawn}))
+    assert len(out.outputs[0].token_ids) == 8 and not drawn & set(out.outputs[0].token_ids)
     assert_idle(engine)
 
 

@@ -1,4 +1,4 @@
-"""Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logprobs."""
+"""Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logit_bias, logprobs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from transformers.generation.logits_process import (
 )
 
 from replica.request import Request, SamplingParams
-from replica.sampler import Sampler, apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
+from replica.sampler import (
+    Sampler,
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 
 VOCAB = 64
 EOS = 2
@@ -260,3 +267,133 @@ def test_logprobs_from_raw_logits():
         assert [v for _, v in lp.top] == pytest.approx(best.values.tolist()[:k], abs=1e-6)
         assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
     assert out.logprobs[0].rank == 1  # greedy without penalties picks the most likely token
+
+
+# ---- logit_bias -----------------------------------------------------------------------------------
+
+
+def test_apply_logit_bias_adds_exactly_the_biases():
+    logits = random_logits(3)
+    reqs = [
+        make_request(logit_bias={4: 2.5, 9: -100}),
+        make_request(),  # no bias: untouched
+        make_request(logit_bias={0: 100, 63: -1.0}),
+    ]
+    out = apply_logit_bias(logits.clone(), reqs)
+    expected = logits.clone()
+    expected[0, 4] += 2.5
+    expected[0, 9] -= 100
+    expected[2, 0] += 100
+    expected[2, 63] -= 1.0
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_changes_the_greedy_argmax_and_logprobs_stay_raw(dtype):
+    logits = random_logits(3).to(dtype)
+    before = logits.clone()
+    least = [int(i) for i in logits.float().argmin(dim=-1)]
+    best = [int(i) for i in logits.float().argmax(dim=-1)]
+    second = [int(i) for i in logits.float().topk(2, dim=-1).indices[:, 1]]
+    reqs = [
+        make_request(temperature=0.0, logit_bias={least[0]: 100}, logprobs=2),  # forced to the least likely
+        make_request(temperature=0.0, logit_bias={best[1]: -100}),  # the best is banned
+        make_request(temperature=0.0),
+    ]
+    out = sampler(logits, reqs)
+    assert out.token_ids == [least[0], second[1], best[2]]
+    assert torch.equal(logits, before)  # input untouched
+    # Logprobs are those of the raw logits, as vLLM reports them: the forced token is unlikely there.
+    reference = logits.float().log_softmax(dim=-1)
+    lp = out.logprobs[0]
+    assert lp.token_id == least[0]
+    assert lp.logprob == pytest.approx(float(reference[0, least[0]]), abs=1e-6)
+    assert lp.rank == VOCAB
+    assert [t for t, _ in lp.top] == reference[0].topk(2).indices.tolist()
+    # A batch of only greedy rows (the all-greedy fast path otherwise) still applies the bias.
+    assert sampler(logits[1:2], [reqs[1]]).token_ids == [second[1]]
+    assert sampler(logits[1:], reqs[1:]).token_ids == [second[1], best[2]]
+
+
+def test_logit_bias_minus_100_bans_and_plus_100_forces_in_random_sampling():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 5.0  # p(7) is about 0.7 without a bias
+    banned = make_request(temperature=1.0, seed=1, logit_bias={7: -100})
+    forced = make_request(temperature=1.0, seed=2, logit_bias={40: 100})
+    plain = make_request(temperature=1.0, seed=3)
+    draws = {"banned": [], "forced": [], "plain": []}
+    for _ in range(300):  # each call advances the requests' own generators
+        out = sampler(logits, [banned]).token_ids + sampler(logits, [forced]).token_ids + sampler(logits, [plain]).token_ids
+        for name, token in zip(draws, out):
+            draws[name].append(token)
+    assert 7 not in draws["banned"]
+    assert len(set(draws["banned"])) > 20  # the rest of the distribution is still sampled
+    assert set(draws["forced"]) == {40}
+    assert draws["plain"].count(7) > 150  # sanity: without the bias 7 is the usual draw
+
+
+def test_logit_bias_rows_leave_their_batch_mates_unchanged():
+    """Rows without a bias get the same tokens in a batch with biased rows as alone, and as in the
+    same batch without the biases (unseeded rows: the same default-generator draws)."""
+    logits = random_logits(7, scale=2.0)
+
+    def batch(with_bias: bool) -> list[Request]:
+        bias = (lambda b: b) if with_bias else (lambda b: None)
+        return [
+            make_request(temperature=0.0),
+            make_request(temperature=0.8, seed=5, top_k=10, top_p=0.9),
+            make_request(temperature=0.0, logit_bias=bias({int(logits[2].argmax()): -100, 3: 4.0})),
+            make_request(temperature=1.0),  # unseeded
+            make_request(temperature=0.0, repetition_penalty=1.3, output=[1, 2]),
+            make_request(temperature=1.2, seed=8, logit_bias=bias({11: 100})),
+            make_request(temperature=0.7, seed=9, min_p=0.1, logprobs=3),
+        ]
+
+    torch.manual_seed(1234)
+    biased = sampler(logits, batch(True))
+    torch.manual_seed(1234)
+    unbiased = sampler(logits, batch(False))
+    neighbours = [0, 1, 3, 4, 6]
+    assert [biased.token_ids[i] for i in neighbours] == [unbiased.token_ids[i] for i in neighbours]
+    assert biased.token_ids[5] == 11 and biased.token_ids[2] != unbiased.token_ids[2]
+    assert biased.logprobs[6] == unbiased.logprobs[6]
+    for i in (0, 1, 4, 6):  # deterministic rows, alone
+        assert sampler(logits[i : i + 1], [batch(False)[i]]).token_ids == [biased.token_ids[i]]
+    # An all-greedy bf16 batch: the unbiased rows keep the fast path's tokens.
+    half = logits.to(torch.bfloat16)
+    fast = sampler(half, [make_request(temperature=0.0) for _ in range(7)]).token_ids
+    mixed = sampler(half, [make_request(temperature=0.0, logit_bias={0: 50} if i == 3 else None) for i in range(7)])
+    assert [t for i, t in enumerate(mixed.token_ids) if i != 3] == [t for i, t in enumerate(fast) if i != 3]
+    assert mixed.token_ids[3] == 0
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {"5": 1.0},  # keys are ints (the API parses the strings)
+        {True: 1.0},
+        {-1: 1.0},
+        {2.0: 1.0},
+        {5: 100.5},
+        {5: -101},
+        {5: float("nan")},
+        {5: float("inf")},
+        {5: "1"},
+        {5: True},
+        {5: None},
+        [(5, 1.0)],
+        {i: 1.0 for i in range(1025)},
+    ],
+)
+def test_logit_bias_validation(bias):
+    with pytest.raises(ValueError, match=r"^logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_valid_values():
+    params = SamplingParams(logit_bias={5: 100, 6: -100, 7: 0.25})
+    assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 0.25}
+    assert all(isinstance(v, float) for v in params.logit_bias.values())
+    assert SamplingParams(logit_bias={i: -1 for i in range(1024)}).logit_bias[1023] == -1.0
+    assert SamplingParams(logit_bias={}).logit_bias == {}
+    assert SamplingParams().logit_bias is None
