@@ -135,6 +135,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         **replica_deployment_options(config, num_replicas),
         request_router_config=RequestRouterConfig(
             request_router_class=CarpoolRequestRouter,
+            request_router_kwargs={"prefix_aware": config.prefix_aware_routing},
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * config.routing_stats_period_s),
         ),

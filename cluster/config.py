@@ -113,6 +113,14 @@ class ServeConfig(IngressConfig):
     routing_stats_period_s: float = Field(
         0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
     )
+    prefix_aware_routing: bool = Field(
+        True,
+        description=(
+            "Cache-aware routing: among replicas with a free seat, send a prompt to the one this "
+            "router sent the longest matching prefix to (its KV blocks are likely still cached "
+            "there), within a load-imbalance bound; False routes on load alone."
+        ),
+    )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
     autoscaling: AutoscalingSettings | None = Field(
         None,

@@ -32,6 +32,13 @@ PANELS = [
      [("{{replica}}", f"carpool:kv_cache_usage_perc{{{SEL}}}")], "timeseries"),
     ("Preemptions", "Preemptions by recompute per second (KV blocks ran out).", "ops",
      [("{{replica}}", f"sum by (replica) (rate(carpool:num_preemptions_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("Prefix cache hit rate per replica",
+     "Prompt tokens found in the prefix cache / prompt tokens looked up, over the rate window (vLLM's hit rate).",
+     "percentunit",
+     [("{{replica}}", f"sum by (replica) (rate(carpool:prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
+                      f"sum by (replica) (rate(carpool:prefix_cache_queries_total{{{SEL}}}[{RATE}]))"),
+      ("all replicas", f"sum(rate(carpool:prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
+                       f"sum(rate(carpool:prefix_cache_queries_total{{{SEL}}}[{RATE}]))")], "timeseries"),
     ("Token throughput", "Prompt tokens prefilled and tokens generated per second.", "short",
      [("prompt tok/s", f"sum(rate(carpool:prompt_tokens_total{{{SEL}}}[{RATE}]))"),
       ("generation tok/s", f"sum(rate(carpool:generation_tokens_total{{{SEL}}}[{RATE}]))")], "timeseries"),

@@ -82,6 +82,13 @@ class EngineConfig(BaseModel):
             "on disk. False runs eagerly (vLLM's enforce_eager)."
         ),
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Keep the K/V of full blocks after their request ends and reuse it for later prompts that "
+            "start with the same tokens (automatic prefix caching); False recomputes every prompt."
+        ),
+    )
     scheduling_policy: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (iteration-level) batching, or the static baseline."
     )

@@ -154,9 +154,13 @@ class LLMReplica:
             "free_seats": max(0, s.num_slots - s.num_running),
             "num_free_blocks": s.num_free_blocks,
             "num_total_blocks": s.num_total_blocks,
+            "block_size": self.config.block_size,
             "kv_cache_usage": s.kv_cache_usage,
             "num_preemptions": s.num_preemptions,
             "num_steps": s.num_steps,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_cached_blocks": s.num_cached_blocks,
             "inflight": self._inflight,
             "num_requests": self._num_requests,
             "pid": os.getpid(),
@@ -167,8 +171,10 @@ class LLMReplica:
         """Load report for the request router (Serve polls it): seats, queue, KV blocks.
 
         Keys: ``num_slots`` (seats = ``max_num_seqs``), ``num_running``, ``num_waiting``,
-        ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``kv_cache_usage`` (0-1),
-        ``num_preemptions``, ``num_steps``, ``inflight`` (requests this replica is streaming),
+        ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``block_size`` (tokens per KV
+        block: the router hashes prompts in blocks of this size), ``kv_cache_usage`` (0-1),
+        ``num_preemptions``, ``num_steps``, ``prefix_cache_queries`` and ``prefix_cache_hits``
+        (tokens since start), ``num_cached_blocks``, ``inflight`` (requests this replica is streaming),
         ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
         ``pid`` (the replica's process id), ``healthy`` (False when the engine loop is dead or
         wedged: the router then sends requests elsewhere until Serve replaces this replica).

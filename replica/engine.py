@@ -46,6 +46,9 @@ class EngineStats:
     kv_cache_usage: float
     num_preemptions: int
     num_steps: int
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_cached_blocks: int = 0  # blocks in the prefix cache now (owned or free)
 
     @property
     def slot_utilization(self) -> float:
@@ -97,7 +100,7 @@ class LLMEngine:
         window = getattr(self.runner.shape, "sliding_window", None)
         if window:
             raise ValueError("sliding-window attention models are not supported yet")
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=cfg.max_num_seqs,
@@ -212,11 +215,15 @@ class LLMEngine:
                 using this engine.
         """
         started = time.monotonic()
+        sched = self.scheduler
+        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
         try:
             with record_function("carpool.schedule"):
-                out = self.scheduler.schedule()
+                out = sched.schedule()
         except Exception as exc:
             raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
+        if self.metrics is not None:
+            self.metrics.on_prefix_cache(queries=sched.prefix_cache_queries - queries, hits=sched.prefix_cache_hits - hits)
         self.last_step_output = out
         for request_id in self.scheduler.take_released():
             self.runner.forget(request_id)
@@ -324,6 +331,8 @@ class LLMEngine:
         )
         outputs = []
         seen: set[str] = set()
+        for sched in out.scheduled:  # blocks this step filled may be half written: out of the cache
+            self.block_manager.uncache(sched.request.request_id)
         for sched in out.scheduled:
             request = sched.request
             if sched.is_padding or request.request_id in seen:
@@ -354,6 +363,9 @@ class LLMEngine:
             kv_cache_usage=bm.usage,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.scheduler.step_count,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_cached_blocks=bm.num_cached_blocks,
         )
         if self.metrics is not None:
             self.metrics.on_state(
@@ -379,6 +391,13 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``), e.g. between
+        benchmark runs; returns how many were dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        self._refresh_stats()
+        return dropped
 
     # ---- state -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

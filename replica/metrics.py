@@ -62,6 +62,10 @@ class EngineMetrics:
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
         self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by recompute (blocks ran out).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache (vLLM's semantics)."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Of the tokens looked up, those found in the prefix cache.")
         # Tokens and steps
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens, counted once per request.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -113,6 +117,12 @@ class EngineMetrics:
         self.step_duration.observe(duration_s)
         if num_preempted:
             self.num_preemptions.inc(num_preempted)
+
+    def on_prefix_cache(self, *, queries: int, hits: int) -> None:
+        """A step's admissions looked ``queries`` tokens up in the prefix cache and found ``hits``."""
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+            self.prefix_cache_hits.inc(hits)
 
     def on_first_scheduled(self, queue_time_s: float) -> None:
         self.request_queue_time.observe(queue_time_s)

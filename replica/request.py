@@ -249,6 +249,10 @@ class Request:
     generator: Any = None  # torch.Generator for seeded sampling, owned by the model runner
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # handed out in a StepOutput already
+    # Prefix caching: the chained hash of each full block of prompt + output known so far (filled
+    # lazily by the scheduler), and how many of the request's blocks are in the prefix cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,7 +43,8 @@ def build_request(
 
     Raises:
         ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id outside the
-            vocabulary (prompt or ``logit_bias``), a prompt of ``max_model_len`` tokens or more,
+            vocabulary (prompt or ``logit_bias``), a prompt of ``max_model_len`` tokens or more
+            (more only, with ``max_tokens=0``),
             bad ``sampling_params``.
     """
     params = sampling_params if sampling_params is not None else SamplingParams()
@@ -64,7 +65,8 @@ def build_request(
     for token_id in prompt_token_ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
             raise ValueError(f"prompt_token_ids holds {token_id!r}, outside the vocabulary [0, {vocab_size})")
-    if len(prompt_token_ids) >= max_model_len:
+    room = max_model_len if params.max_tokens == 0 else max_model_len - 1  # scoring only needs no output slot
+    if len(prompt_token_ids) > room:
         raise ValueError(
             f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {max_model_len} "
             "(prompt + output tokens), so the prompt must be shorter"

@@ -10,7 +10,10 @@ Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's
 * when a running request needs a block and none is free, the newest running request is preempted
   by recompute: its blocks are freed, ``num_computed_tokens`` goes back to 0 and it goes first in
   ``waiting`` (its prompt *and* output so far are prefilled again when it is readmitted);
-* a finished or aborted request gives back its seat and blocks in the step it finishes.
+* a finished or aborted request gives back its seat and blocks in the step it finishes;
+* with prefix caching, a request admitted without blocks starts from the longest cached prefix of
+  its full blocks (``num_computed_tokens`` starts past it), and the blocks a step fills are
+  registered in the cache when they are allocated (:meth:`Scheduler._allocate`).
 
 ``policy="static"`` is the baseline: a batch is admitted only when the previous one has wholly
 finished, and a finished member keeps its seat, its blocks and its row in the forward (as padding,
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from replica.block_manager import BlockManager
+from replica.prefix_hash import extend_block_hashes
 from replica.request import FinishReason, Request, RequestStatus
 
 SchedulingPolicy = Literal["continuous", "static"]
@@ -93,6 +97,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's counter)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
         self._released: list[str] = []  # requests that left the running batch (see take_released)
 
     # ---- queue state -----------------------------------------------------------------------
@@ -123,7 +129,8 @@ class Scheduler:
         """Queue ``request`` (FCFS). Raises ``ValueError`` on a duplicate id or a prompt that can't fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.max_model_len:
+        scored_only = request.sampling_params.max_tokens == 0 and not request.output_token_ids
+        if request.num_tokens > self.max_model_len or (request.num_tokens == self.max_model_len and not scored_only):
             raise ValueError(
                 f"prompt is {request.num_tokens} tokens; max_model_len is {self.max_model_len}, "
                 "so at most max_model_len - 1 prompt tokens leave room for one output token"
@@ -190,16 +197,18 @@ class Scheduler:
             if request.is_padding:
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            while not self.block_manager.can_allocate(request.request_id, target):
+            cached = self._cached_prefix(request)  # a static batch member's first chunk
+            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            target = start + num_new
+            while not self.block_manager.can_allocate(request.request_id, target, cached or ()):
                 victim = self._pick_victim(request)
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank, index now points past it
-            self._allocate(request, target)
+            self._allocate(request, target, cached)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
@@ -217,14 +226,16 @@ class Scheduler:
         may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)
         while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(request.request_id, target):
+            cached = self._cached_prefix(request)
+            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            target = start + num_new
+            if not self.block_manager.can_allocate(request.request_id, target, cached or ()):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._allocate(request, target)
+            self._allocate(request, target, cached)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         if self.policy == "static" and batch_was_empty:
@@ -259,12 +270,46 @@ class Scheduler:
             request.request_id, position + 1
         ):
             return None  # out of room: the padding row stops being computed, keeps its seat
-        self._allocate(request, position + 1)
+        self.block_manager.allocate(request.request_id, position + 1)  # padding K/V: never cached
+        request.block_ids = self.block_manager.block_table(request.request_id)
         return ScheduledRequest(request, position, 1, samples=True, is_padding=True)
 
-    def _allocate(self, request: Request, num_tokens: int) -> None:
-        self.block_manager.allocate(request.request_id, num_tokens)
-        request.block_ids = self.block_manager.block_table(request.request_id)
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """The prefix-cached blocks a request that holds no blocks yet can start from: the longest
+        run of its leading full blocks found in the cache, leaving at least its last known token to
+        compute (its logits give the next token). None when no lookup applies: caching off, a
+        request already under way, or one that asks for prompt logprobs (they need the logits of
+        every prompt position, as in vLLM)."""
+        bm = self.block_manager
+        if not bm.enable_caching or request.block_ids or request.num_computed_tokens:
+            return None
+        if request.sampling_params.prompt_logprobs is not None:
+            return None
+        if len(request.block_hashes) < request.num_tokens // bm.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, bm.block_size)
+        return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
+
+    def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
+        """Grow ``request``'s blocks to ``num_tokens`` tokens, starting from the ``cached`` prefix
+        blocks (None: no lookup was made), and register in the prefix cache the blocks that will be
+        full once this step has computed them. Registering before the forward lets a later request
+        of the same step share them: every attention backend writes a layer's new K/V before it
+        reads any (vLLM registers at the same point)."""
+        bm = self.block_manager
+        if cached is not None:  # a lookup was made: vLLM's query and hit counts, in tokens
+            hit = len(cached) * bm.block_size
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit
+            request.num_computed_tokens = hit
+            request.num_cached_blocks = len(cached)
+        bm.allocate(request.request_id, num_tokens, cached or ())
+        request.block_ids = bm.block_table(request.request_id)
+        full = num_tokens // bm.block_size
+        if bm.enable_caching and full > request.num_cached_blocks:
+            if len(request.block_hashes) < full:
+                extend_block_hashes(request.block_hashes, request.all_token_ids, bm.block_size)
+            bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
+            request.num_cached_blocks = full
 
     def _pick_victim(self, requester: Request) -> Request:
         """The request to preempt so that ``requester`` can grow.
@@ -285,8 +330,9 @@ class Scheduler:
         return requester
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.block_manager.free(request.request_id)
+        self.block_manager.free(request.request_id)  # its cached blocks stay cached, for its return
         request.block_ids = []
+        request.num_cached_blocks = 0
         self._released.append(request.request_id)
         if request.is_padding:
             request.num_computed_tokens = self.max_model_len  # never computed again

@@ -46,7 +46,8 @@ def parse_logit_bias(raw: dict[str, Any] | None, vocab_size: int | None = None) 
             raise refuse(f"keys must be token ids (integers), got {key[:40]!r}")
         if key.startswith("-"):
             raise refuse(f"token id {key[:40]} is negative, outside the vocabulary")
-        if len(key) > 20 or (vocab_size is not None and int(key) >= vocab_size):  # no int() of 1000s of digits
+        digits = key.lstrip("-").lstrip("0")
+        if len(digits) > 20 or (vocab_size is not None and int(key) >= vocab_size):  # no int() of 1000s of digits
             bound = vocab_size if vocab_size is not None else "vocab_size"
             raise refuse(f"token id {key[:40]} is outside the vocabulary [0, {bound})")
         token_id = int(key)

@@ -96,7 +96,7 @@ class RequestPreparer:
             else:
                 ids = list(p)
                 texts.append(self.tokenizer.decode(ids) if body.echo else "")
-            self._check_prompt(ids, info, param)
+            self._check_prompt(ids, info, param, scored_only=body.max_tokens == 0)
             prompts.append(ids)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # echo scores the prompt too
@@ -119,12 +119,15 @@ class RequestPreparer:
         default = info["max_model_len"]  # all the context leaves
         return self._prepare("chatcmpl", body, [ids], [""], max_tokens, default, logprobs, body.prompt_logprobs, info, param)
 
-    def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str) -> None:
+    def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str, scored_only: bool = False) -> None:
+        """Token ids inside the vocabulary and a prompt that leaves room for output: shorter than
+        ``max_model_len``, or at most that long when nothing is generated (``scored_only``:
+        ``max_tokens`` 0, the prompt is only scored)."""
         vocab = info["vocab_size"]
         for t in ids:
             if not 0 <= t < vocab:
                 raise OpenAIError(f"{param}: token id {t} is outside the vocabulary [0, {vocab})", param=param, code="invalid_value")
-        if len(ids) >= info["max_model_len"]:
+        if len(ids) > info["max_model_len"] or (len(ids) == info["max_model_len"] and not scored_only):
             raise OpenAIError(
                 f"{param}: this model's maximum context length is {info['max_model_len']} tokens; the prompt "
                 f"has {len(ids)} tokens, which leaves no room for output. Please shorten it.",

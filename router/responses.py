@@ -141,7 +141,9 @@ class ResponseFormatter:
         ``top_logprobs`` and ``text_offset`` (characters), for the output tokens from ``offset``
         on; with ``prompt`` (echo: the prompt logprobs of ``prompt_ids``), first for the prompt
         tokens from offset 0, the first token's entries ``null``, each with at most ``k``
-        alternatives."""
+        alternatives, and the output tokens' offsets then continue from the prompt tokens' (the
+        sum of the token strings, which is not the prompt text's length when a token decodes to
+        part of a character)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
         prompt_offset = 0
         for token_id, lp in zip(prompt_ids, prompt or ()):
@@ -157,6 +159,8 @@ class ResponseFormatter:
             tops.append(top)
             offsets.append(prompt_offset)
             prompt_offset += len(token)
+        if prompt is not None:
+            offset = prompt_offset  # one running offset over prompt and output tokens, as vLLM
         for lp in logprobs:
             token = self._token_str(lp.token_id)
             tokens.append(token)
@@ -276,7 +280,8 @@ class ResponseFormatter:
             logprobs = None
             if body.logprobs is not None:
                 logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index], *scored)
-                offsets[index] += sum(len(t) for t in logprobs["tokens"][len(scored[0]) if scored else 0 :])
+                if logprobs["tokens"]:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             item = {
                 "index": index,
                 "text": prefix + delta.new_text,

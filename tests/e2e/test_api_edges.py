@@ -105,6 +105,26 @@ def test_echo_with_logprobs_scores_the_prompt(served, reference, max_tokens):
     assert values[0] is None and values[1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
 
 
+def test_echo_offsets_run_on_where_tokens_split_characters(served):
+    """Byte-level tokens of CJK text and emoji decode to partial characters: ``text_offset`` is one
+    running count over the token strings (prompt, then output), so it never goes back."""
+    body = {"prompt": "日本語😀 ok", "echo": True, "logprobs": 0, "max_tokens": 2, "temperature": 0}
+    for lp in [post(served, "/completions", body).json()["choices"][0]["logprobs"]]:
+        offsets, tokens = lp["text_offset"], lp["tokens"]
+        assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    events = streamed(served, "/completions", body)
+    assert [o for e in events for c in e["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]] == offsets
+
+
+def test_a_prompt_filling_the_whole_context_can_be_scored(served):
+    prompt = [1000 + i for i in range(MAX_MODEL_LEN)]
+    r = post(served, "/completions", {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == MAX_MODEL_LEN
+    assert_error(post(served, "/completions", {"prompt": prompt, "max_tokens": 1}), "prompt")  # no room for output
+    assert_error(post(served, "/completions", {"prompt": prompt + [5], "max_tokens": 0}), "prompt")
+
+
 def test_vllm_prompt_logprobs_extra(served, reference):
     ids, ref = reference(PROMPT)
     r = post(served, "/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})

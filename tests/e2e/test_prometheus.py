@@ -160,6 +160,10 @@ def test_prometheus_counters_gauges_and_dashboard(served, prometheus):
     assert scalar(prometheus, "sum(carpool:inter_token_latency_seconds_count)") == generated - sent
     assert scalar(prometheus, "sum(carpool:e2e_request_latency_seconds_count)") == sent
     assert len(query(prometheus, "carpool:num_slots")) == 2
+    # Every request was looked up in the prefix cache (its prompt tokens, counted at admission);
+    # hits as the replicas count them (the chat requests share the template's system prompt).
+    assert scalar(prometheus, "sum(carpool:prefix_cache_queries_total)") == prompt_tokens
+    assert scalar(prometheus, "sum(carpool:prefix_cache_hits_total)") == sum(s["prefix_cache_hits"] for s in served.stats())
     # Gauges back to idle on every replica.
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "slot_utilization"):
         assert scalar(prometheus, f"max(carpool:{gauge})") == 0, gauge

@@ -9,6 +9,11 @@ and each replica's resident memory (RSS of its process) may end at most ``MAX_RS
 where it was before the first request, and at most ``MAX_RSS_GROWTH_AFTER_WARMUP`` above where it
 was after a warm-up of ``WARMUP`` requests. The figures are printed (run with ``-s``) and written to
 ``$CARPOOL_SOAK_JSON`` when that is set.
+
+Two mixes, one test each: ``mixed`` (random prompts) and ``shared-prefix``, where most prompts start
+with one of a few long shared headers, so that the prefix cache hits, shares blocks between running
+requests, and evicts cached blocks under the small pool while requests are cancelled and preempted.
+At the end every block must be free (cached free blocks count as free).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ MAX_RSS_GROWTH_AFTER_WARMUP = 0.02
 ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=16, num_blocks=40, max_model_len=256)
 CONFIG = ServeConfig(app_name="e2e-soak", engine=ENGINE)
 WORDS = "the sea river light stone cloud winter garden music paper window mountain story city bird".split()
+# shared-prefix mix: 6 headers of 60 to 90 words (about 70 to 110 tokens) that most prompts start with.
+_header_rng = random.Random(11)
+HEADERS = [" ".join(_header_rng.choice(WORDS) for _ in range(_header_rng.randint(60, 90))) for _ in range(6)]
 
 pytestmark = pytest.mark.soak
 
@@ -51,9 +59,11 @@ def served(deploy):
         yield served
 
 
-def make_request(rng: random.Random, model: str) -> dict:
+def make_request(rng: random.Random, model: str, shared_prefix: bool = False) -> dict:
     """One request of the mix: ``kind`` (what the client does) and the HTTP body."""
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 50)))
+    if shared_prefix and rng.random() < 0.7:
+        prompt = rng.choice(HEADERS) + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 20)))
     roll = rng.random()
     if roll < 0.10:
         kind, max_tokens = rng.choice(["cancel_stream", "cancel_stream", "cancel_plain"]), 40
@@ -132,10 +142,11 @@ def replica_rss(served) -> dict[int, int]:
 
 
 @pytest.mark.timeout(3600)  # on the function: it must win over the e2e conftest's 240 s
-def test_soak(served):
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["mixed", "shared-prefix"])
+def test_soak(served, shared_prefix):
     rng = random.Random(7)
-    warmup = [make_request(rng, served.model) for _ in range(WARMUP)]
-    mix = [make_request(rng, served.model) for _ in range(NUM_REQUESTS)]
+    warmup = [make_request(rng, served.model, shared_prefix) for _ in range(WARMUP)]
+    mix = [make_request(rng, served.model, shared_prefix) for _ in range(NUM_REQUESTS)]
     rss_start = replica_rss(served)
     counts = asyncio.run(run_mix(served.base_url, warmup))
     assert counts.get("failed", 0) == 0, counts
@@ -156,7 +167,8 @@ def test_soak(served):
     rss_after = replica_rss(served)
     after = metrics(served)
     delta = {name: after[name] - before.get(name, 0.0) for name in (
-        "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total")}
+        "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total",
+        "carpool:prefix_cache_queries_total", "carpool:prefix_cache_hits_total")}
     figures = {
         "requests": NUM_REQUESTS,
         "completed": counts.get("completed", 0),
@@ -165,6 +177,8 @@ def test_soak(served):
         "aborted_in_engine": int(delta["carpool:requests_aborted_total"]),
         "preemptions": int(delta["carpool:num_preemptions_total"]),
         "generated_tokens": int(delta["carpool:generation_tokens_total"]),
+        "prefix_cache_hit_rate": round(delta["carpool:prefix_cache_hits_total"] / max(1.0, delta["carpool:prefix_cache_queries_total"]), 3),
+        "cached_blocks_at_end": [s["num_cached_blocks"] for s in stats],
         "blocks_free_at_end": [f"{s['num_free_blocks']}/{s['num_total_blocks']}" for s in stats],
         "rss_mib_before": {pid: round(v / 2**20, 1) for pid, v in rss_before.items()},
         "rss_mib_after": {pid: round(v / 2**20, 1) for pid, v in rss_after.items()},
@@ -182,6 +196,8 @@ def test_soak(served):
     assert figures["completed"] + figures["cancelled_by_client"] == NUM_REQUESTS
     assert figures["cancelled_by_client"] > 0 and 0 < figures["aborted_in_engine"] <= figures["cancelled_by_client"]
     assert figures["preemptions"] > 0
+    if shared_prefix:
+        assert figures["prefix_cache_hit_rate"] > 0.3, figures["prefix_cache_hit_rate"]
     assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
     assert set(rss_after) == set(rss_before), "a replica was restarted during the soak"
     for pid, rss in rss_start.items():

@@ -598,6 +598,7 @@ def test_padded_steps_keep_tokens_and_bound_shapes(llm, engine):
             seen.append((kwargs["input_ids"].shape[1], kwargs["logits_to_keep"].numel()))
 
         runner.pad_steps = pad
+        engine.reset_prefix_cache()  # both runs compute every prompt token: the same steps
         hook = runner.model.register_forward_pre_hook(record, with_kwargs=True)
         try:
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -136,3 +136,14 @@ def test_step_outputs_carry_prompt_logprobs_once(llm):
 def test_bad_prompt_logprobs_parameters(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_a_prompt_of_max_model_len_tokens_can_be_scored(tiny_llama):
+    """Scoring generates nothing, so a prompt may fill the whole context; generating needs a slot."""
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, block_size=16, num_blocks=8, max_model_len=64, max_num_batched_tokens=24)
+    prompt = (PROMPTS[7] * 2)[:64]
+    [out] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert len(out.prompt_logprobs) == 64 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt is 64 tokens"):
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1))
+    assert_idle(llm.engine)

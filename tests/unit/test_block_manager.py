@@ -212,3 +212,103 @@ def test_integrity_catches_double_free():
     bm._free.append(2)
     with pytest.raises(AssertionError):
         bm.check_integrity()
+
+
+# ---- prefix caching ---------------------------------------------------------------------------
+H = [bytes([i]) * 32 for i in range(8)]  # stand-ins for chained block hashes
+
+
+def cached_pool(num_blocks: int = 6) -> BlockManager:
+    bm = BlockManager(num_blocks=num_blocks, block_size=4, enable_caching=True)
+    bm.allocate("a", 12)  # blocks 0, 1, 2
+    bm.cache_blocks("a", H[:3], 0)
+    return bm
+
+
+def test_cached_prefix_finds_the_longest_registered_run():
+    bm = cached_pool()
+    assert bm.cached_prefix(H[:3], 8) == [0, 1, 2]
+    assert bm.cached_prefix(H[:3], 2) == [0, 1]  # capped (the last token is always computed)
+    assert bm.cached_prefix([H[0], H[5], H[2]], 8) == [0]  # a chain stops at its first miss
+    assert bm.cached_prefix([H[5]], 8) == []
+    assert BlockManager(4, 4).cached_prefix(H[:1], 8) == []  # caching off: never a hit
+    bm.check_integrity()
+
+
+def test_shared_blocks_are_ref_counted_and_stay_cached_when_freed():
+    bm = cached_pool()
+    hit = bm.cached_prefix(H[:2], 8)
+    assert bm.allocate("b", 10, hit) == [3]  # 2 shared blocks + 1 new one
+    assert bm.block_table("b") == [0, 1, 3] and bm.num_free_blocks == 2
+    bm.check_integrity()
+    assert bm.free("a") == 1  # block 2 only: 0 and 1 are still b's
+    assert bm.free("b") == 3
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 3  # free, and still cached
+    assert bm.cached_prefix(H[:3], 8) == [0, 1, 2]
+    bm.check_integrity()
+
+
+def test_a_hit_on_free_cached_blocks_takes_them_out_of_the_free_pool():
+    bm = cached_pool(num_blocks=4)
+    bm.free("a")
+    hit = bm.cached_prefix(H[:3], 8)
+    assert bm.can_allocate("b", 16, hit)  # 3 cached + 1 new = the whole pool
+    assert not bm.can_allocate("b", 20, hit)
+    bm.allocate("b", 16, hit)
+    assert bm.num_free_blocks == 0 and bm.block_table("b") == [0, 1, 2, 3]
+    bm.check_integrity()
+
+
+def test_never_cached_blocks_go_first_then_the_least_recently_freed_cached_one_is_evicted():
+    bm = cached_pool(num_blocks=5)
+    bm.allocate("b", 4)
+    bm.cache_blocks("b", [H[7]], 0)  # block 3
+    bm.free("b")  # freed first: least recently used
+    bm.free("a")  # frees 2, 1, 0 (the tail of a sequence first)
+    assert bm.allocate("c", 4) == [4]  # the never-cached block
+    assert bm.num_evictions == 0
+    assert bm.allocate("d", 8) == [3, 2]  # then LRU: b's block, then a's tail
+    assert bm.num_evictions == 2 and bm.cached_prefix([H[7]], 1) == [] and bm.cached_prefix(H[:3], 8) == [0, 1]
+    bm.check_integrity()
+
+
+def test_a_hash_cached_twice_keeps_its_first_block():
+    bm = cached_pool()
+    bm.allocate("b", 4)  # block 3, computed again by a request that did not look up
+    bm.cache_blocks("b", [H[0]], 0)
+    assert bm.cached_prefix([H[0]], 1) == [0] and bm.num_cached_blocks == 3
+    bm.free("b")
+    assert bm.num_free_blocks == 3 and 3 in bm._free  # block 3 went back uncached
+    bm.check_integrity()
+
+
+def test_uncache_and_reset():
+    bm = cached_pool()
+    assert bm.uncache("a") == 3 and bm.cached_prefix(H[:1], 1) == []
+    bm.free("a")
+    bm.check_integrity()
+    bm.allocate("b", 8)
+    bm.cache_blocks("b", H[:2], 0)
+    bm.free("b")
+    assert bm.reset_prefix_cache() == 2 and bm.num_cached_blocks == 0 and bm.num_free_blocks == 6
+    bm.check_integrity()
+
+
+def test_integrity_catches_cache_inconsistencies():
+    bm = cached_pool()
+    bm._hash_to_block[H[0]] = 5  # the table points at another block
+    with pytest.raises(AssertionError, match="hash maps to block 5"):
+        bm.check_integrity()
+    bm = cached_pool()
+    bm.free("a")
+    bm._free.append(bm._cached_free.popitem()[0])  # a cached free block in the uncached list
+    with pytest.raises(AssertionError, match="both free lists|wrong free list"):
+        bm.check_integrity()
+    bm = cached_pool()
+    bm._tables["b"] = [3]
+    bm._ref_counts[3] = 1
+    bm._tables["c"] = [3]
+    bm._ref_counts[3] = 2
+    bm._free.remove(3)
+    with pytest.raises(AssertionError, match="no cached block"):  # sharing an uncached block
+        bm.check_integrity()

@@ -1,0 +1,45 @@
+"""Block hashes for prefix caching: one digest per full KV block, chained over the blocks before it.
+
+vLLM v1's scheme: block ``i`` of a sequence is identified by
+``sha256(hash(block i-1) || token ids of block i)``, so equal hashes mean equal token prefixes up to
+and including that block (not just equal blocks), and a prefix of ``k`` full blocks is found by
+looking its ``k`` hashes up one after the other. Nothing else changes a block's K/V in Carpool
+today (one model per engine, no LoRA, no multimodal inputs); a future input that does must be
+mixed into the hash.
+
+Plain Python (``hashlib``), no torch: the replica's block manager and the router's cache-aware
+routing compute the same hashes in different processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT = b"carpool-prefix-v1"  # the parent of a sequence's first block
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Append to ``hashes`` the digests of the full blocks of ``token_ids`` it does not cover yet.
+
+    Args:
+        hashes: the digests (32 bytes each) of the first ``len(hashes)`` blocks of ``token_ids``;
+            extended in place.
+        token_ids: the sequence (prompt, then output), tokens.
+        block_size: tokens per block.
+    Returns:
+        ``hashes``, now one digest per full block: ``len(token_ids) // block_size`` entries.
+    """
+    parent = hashes[-1] if hashes else ROOT
+    for i in range(len(hashes), len(token_ids) // block_size):
+        digest = hashlib.sha256(parent)
+        digest.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
+        parent = digest.digest()
+        hashes.append(parent)
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The digests of every full block of ``token_ids`` (see :func:`extend_block_hashes`)."""
+    return extend_block_hashes([], token_ids, block_size)
