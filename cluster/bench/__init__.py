@@ -2,8 +2,11 @@
 
 * :func:`offline_main` (``carpool bench offline`` / ``python -m cluster.bench offline``): runs a
   workload in-process under both policies, optionally against transformers; table, JSON, PNGs.
+* ``carpool bench prefix`` (:mod:`cluster.bench.prefix`): prefix caching on vs off in-process, on
+  the shared-prefix and multi-turn workloads (:mod:`cluster.bench.prefix_workloads`); TTFT, tok/s,
+  hit rate.
 * ``carpool bench serve`` (:mod:`cluster.bench.serve`): load on a live server; throughput, TTFT,
-  ITL and e2e latency percentiles, errors; table and JSON.
+  ITL and e2e latency percentiles, errors, the prefix cache hit rate; table and JSON.
 * ``carpool bench overhead`` (:mod:`cluster.bench.overhead`): the seed mix in-process and served by
   a local app, side by side: what HTTP and Serve cost.
 * ``carpool bench profile`` (:mod:`cluster.bench.profile`): where a step's time goes (torch
@@ -12,7 +15,7 @@
 
 Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
 recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command),
-``serve`` (the load generator), ``overhead`` (in-process vs served), ``profile`` (a step's time).
+``prefix`` and ``prefix_workloads`` (prefix caching on vs off), ``serve`` (the load generator), ``overhead`` (in-process vs served), ``profile`` (a step's time).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline|serve|overhead|profile`` (also ``python -m cluster.bench ...``).
+"""The ``bench`` command group (typer): ``carpool bench offline|prefix|serve|overhead|profile`` (also ``python -m cluster.bench ...``).
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -13,7 +13,7 @@ import typer
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline); load on a live server (serve).",
+    help="Benchmarks: continuous vs static batching in-process (offline); prefix caching on vs off (prefix); load on a live server (serve).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -22,7 +22,7 @@ bench_app = typer.Typer(
 
 @bench_app.callback()
 def _group() -> None:
-    """Benchmarks: continuous vs static batching in-process (offline); load on a live server (serve)."""
+    """Benchmarks: continuous vs static batching in-process (offline); prefix caching on vs off (prefix); load on a live server (serve)."""
 
 
 @bench_app.command("offline")
@@ -80,6 +80,55 @@ def offline(
         _fail(str(exc))
 
 
+@bench_app.command("prefix")
+def prefix(
+    workload: List[str] = typer.Option(
+        ["shared-prefix", "multi-turn"], "--workload", "-w",
+        help="shared-prefix (one long system prompt, distinct short questions) and/or multi-turn (each turn resends the conversation so far); repeat the option for both (default: both).",
+    ),
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16), bfloat16, float16 or float32."),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    max_num_seqs: int = typer.Option(32, "--max-num-seqs", "--seats", min=1, help="Seats of each engine (default: the serving default, 32)."),
+    max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step (default: the serving default, 512)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV cache budget of each engine, bytes or with a unit (default: 1 GiB on CPU)."),
+    num_requests: int = typer.Option(64, min=1, help="shared-prefix: requests."),
+    system_prompt_len: int = typer.Option(512, min=1, help="shared-prefix: tokens of the shared system prompt's text."),
+    output_len: int = typer.Option(32, min=1, help="Output tokens of every request (greedy, ignore_eos)."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="shared-prefix: requests/s, evenly spaced; inf: all at once."),
+    conversations: int = typer.Option(16, min=1, help="multi-turn: conversations, all starting at once."),
+    turns: int = typer.Option(4, min=1, help="multi-turn: turns per conversation."),
+    first_turn_len: int = typer.Option(256, min=1, help="multi-turn: tokens of each conversation's opening passage."),
+    think_time: float = typer.Option(0.0, min=0.0, help="multi-turn: seconds between a turn's end and the next turn."),
+    caching: List[str] = typer.Option(["on", "off"], help="Which settings to run: on and/or off (default: both, for the ratios)."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
+    attention_backend: str = typer.Option("auto", help="auto (the device's fast kernels), reference, cpu or cuda."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model (--no-compile: eager)."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Render the chats with the model's chat template."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
+) -> None:
+    """Prefix caching on vs off in-process: TTFT p50/p90, tok/s and hit rate on shared-prefix and multi-turn workloads."""
+    from cluster.bench.prefix import prefix_main
+    from cluster.config import parse_bytes
+
+    try:
+        kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+    except ValueError as exc:
+        _fail(f"--kv-cache-memory: {exc}")
+    try:
+        prefix_main(
+            workload, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_bytes, num_requests=num_requests,
+            system_prompt_len=system_prompt_len, output_len=output_len, request_rate=request_rate,
+            num_conversations=conversations, num_turns=turns, first_turn_len=first_turn_len, think_time=think_time,
+            settings=caching, threads=threads, attention_backend=attention_backend, compile=compile,
+            chat_template=chat_template, json_path=json_path, progress=progress,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 @bench_app.command("serve")
 def serve(
     url: str = typer.Option("http://127.0.0.1:8000/v1", help="Base URL of the OpenAI-compatible API."),
@@ -87,24 +136,31 @@ def serve(
     num_prompts: int = typer.Option(100, "--num-prompts", "-n", min=1, help="Number of requests."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Requests/s, Poisson arrivals (exponential gaps); inf: all at once."),
     seed: int = typer.Option(0, help="Seed of the inter-arrival gaps."),
-    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix (half --short, half --long output tokens) or a JSONL file of {prompt, max_tokens}."),
+    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix (half --short, half --long output tokens), multi-turn (conversations whose every turn resends the chat so far) or a JSONL file of {prompt, max_tokens}."),
     short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
     long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
-    max_tokens: Optional[int] = typer.Option(None, min=1, help="Output tokens of every request (overrides the workload's)."),
+    max_tokens: Optional[int] = typer.Option(None, min=1, help="Output tokens of every request (overrides the workload's; multi-turn: default 32)."),
+    conversations: int = typer.Option(16, min=1, help="multi-turn: conversations (they start at --request-rate; inf: all at once)."),
+    turns: int = typer.Option(4, min=1, help="multi-turn: turns per conversation, each sent when the previous one has ended."),
+    first_turn_len: int = typer.Option(256, min=1, help="multi-turn: tokens of each conversation's opening passage."),
+    think_time: float = typer.Option(0.0, min=0.0, help="multi-turn: seconds between a reply's end and the conversation's next turn."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer (hub id or folder) for multi-turn and the best possible hit rate (default: the root model of GET /v1/models)."),
+    metrics_url: Optional[str] = typer.Option(None, help="Prometheus endpoint for the prefix cache hit rate (default: /metrics next to /v1)."),
     api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Bearer key of the server."),
     timeout: Optional[float] = typer.Option(None, help="Bound on the whole run in seconds; requests not done are cancelled and counted as errors."),
     max_concurrency: Optional[int] = typer.Option(None, min=1, help="Most requests in flight at once (default: unbounded)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
 ) -> None:
-    """Load a running server with streaming chat requests; print throughput, TTFT, ITL, e2e latency (ms)."""
+    """Load a running server with streaming chat requests; print throughput, TTFT, ITL, e2e latency (ms), prefix cache hit rate."""
     from cluster.bench.serve import serve_main
 
     try:
         summary = serve_main(
             url, json_path=json_path, model=model, num_prompts=num_prompts, request_rate=request_rate, seed=seed,
             workload=workload, short=short, long=long, max_tokens=max_tokens, api_key=api_key, timeout=timeout,
-            max_concurrency=max_concurrency, progress=progress,
+            max_concurrency=max_concurrency, progress=progress, conversations=conversations, turns=turns,
+            first_turn_len=first_turn_len, tokenizer=tokenizer, metrics_url=metrics_url, think_time=think_time,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -16,6 +16,12 @@ mean, p50, p90 and p99 of TTFT, ITL and e2e (in milliseconds), and the errors (c
 messages). The run is bounded by ``num_prompts`` and by ``timeout`` seconds: requests not done by
 then are cancelled and counted as errors. :func:`run_serve_bench` returns the results as a dict
 (the JSON written by ``--json``); :func:`serve_main` also prints a table.
+
+The ``multi-turn`` workload sends conversations instead (:mod:`cluster.bench.serve_prefix`): each
+turn resends the chat so far with the real replies, the next turn goes when the previous one has
+ended, and the conversations run concurrently. With every workload the bench scrapes the server's
+``/metrics`` before and after the run and reports the prefix cache's hit rate over the run, with
+the best rate the sent prompts allow.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    conversation: int | None = None  # multi-turn: which conversation, which turn (from 1)
+    turn: int | None = None
 
 
 def bench_prompts(
@@ -69,7 +77,7 @@ def bench_prompts(
             raise ValueError(f"{workload}: bench serve sends chat messages; prompts must be text, not token ids")
         requests = [requests[i % len(requests)] for i in range(num_prompts)]
     else:
-        raise ValueError(f"--workload must be seed-mix or a JSONL file, got {workload!r}")
+        raise ValueError(f"--workload must be seed-mix, multi-turn or a JSONL file, got {workload!r}")
     if max_tokens is not None:
         if max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -112,13 +120,15 @@ def summarize_ms(values_s: list[float]) -> dict:
     return {"mean": statistics.fmean(ms), **{f"p{q}": percentile(ms, q) for q in PERCENTILES}}
 
 
-async def _one_request(client, model: str, index: int, prompt: str, max_tokens: int, result: RequestResult) -> None:
-    """Stream one chat completion, filling ``result`` in place (so a cancelled request keeps its index)."""
+async def _one_request(client, model: str, index: int, prompt: str | list[dict], max_tokens: int, result: RequestResult) -> str:
+    """Stream one chat completion, filling ``result`` in place (so a cancelled request keeps its
+    index); ``prompt`` is one user message's text or the whole chat. Returns the reply's text."""
     start = time.perf_counter()
     last = None
+    reply: list[str] = []
     stream = await client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
         max_tokens=max_tokens,
         stream=True,
         stream_options={"include_usage": True},
@@ -128,6 +138,7 @@ async def _one_request(client, model: str, index: int, prompt: str, max_tokens: 
         if chunk.usage is not None:
             result.output_tokens = chunk.usage.completion_tokens
         if any(choice.delta.content for choice in chunk.choices):
+            reply.extend(choice.delta.content for choice in chunk.choices if choice.delta.content)
             now = time.perf_counter()
             if last is None:
                 result.ttft_s = now - start
@@ -136,6 +147,7 @@ async def _one_request(client, model: str, index: int, prompt: str, max_tokens: 
             last = now
     result.e2e_s = time.perf_counter() - start
     result.ok = True
+    return "".join(reply)
 
 
 async def run_serve_bench_async(
@@ -153,42 +165,88 @@ async def run_serve_bench_async(
     timeout: float | None = None,
     max_concurrency: int | None = None,
     progress: bool = True,
+    conversations: int = 16,
+    turns: int = 4,
+    first_turn_len: int = 256,
+    tokenizer: str | None = None,
+    metrics_url: str | None = None,
+    think_time: float = 0.0,
 ) -> dict:
-    """Run the load (see the module docstring) and return the results dict. ``timeout`` in seconds."""
+    """Run the load (see the module docstring) and return the results dict. ``timeout`` in seconds.
+
+    ``multi-turn`` (:mod:`cluster.bench.serve_prefix`): ``conversations`` × ``turns`` requests of
+    ``max_tokens`` (default 32) output tokens; conversations start at ``request_rate`` (Poisson,
+    ``inf``: all at once), their turns one after the other, ``think_time`` s after the previous
+    reply ended; ``num_prompts`` is not used. It needs
+    the model's tokenizer (``tokenizer``; default the ``root`` model of ``GET /v1/models``) to size
+    the opening passages (``first_turn_len`` tokens). Every workload scrapes ``metrics_url``
+    (default ``/metrics`` next to ``/v1``) before and after for the prefix cache's hit rate.
+    """
     import openai
 
-    prompts = bench_prompts(workload, num_prompts, short=short, long=long, max_tokens=max_tokens)
-    offsets = arrival_offsets(len(prompts), request_rate, seed)
+    from cluster.bench import serve_prefix as sp
+
+    multi_turn = workload == "multi-turn"
+    if multi_turn:
+        for name, value in (("--conversations", conversations), ("--turns", turns), ("--first-turn-len", first_turn_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+        if think_time < 0:
+            raise ValueError(f"--think-time must be >= 0, got {think_time}")
+        prompts = [(None, max_tokens or 32)] * (conversations * turns)
+        offsets = arrival_offsets(conversations, request_rate, seed)
+    else:
+        prompts = bench_prompts(workload, num_prompts, short=short, long=long, max_tokens=max_tokens)
+        offsets = arrival_offsets(len(prompts), request_rate, seed)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--timeout must be positive, got {timeout}")
     results = [RequestResult(index=i, max_tokens=n) for i, (_, n) in enumerate(prompts)]
+    if multi_turn:
+        for r in results:
+            r.conversation, r.turn = divmod(r.index, turns)
+            r.turn += 1
+    metrics_url = metrics_url or sp.metrics_url_of(url)
+    logs = [sp.ConversationLog() for _ in range(conversations if multi_turn else len(prompts))]
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(prompts), desc="bench serve", unit="req")
     async with openai.AsyncOpenAI(base_url=url, api_key=api_key or "EMPTY", max_retries=0, timeout=timeout) as client:
-        if model is None:
-            models = await client.models.list()
-            if not models.data:
-                raise ValueError(f"{url}/models lists no model; pass --model")
-            model = models.data[0].id
+        try:
+            listed = (await client.models.list()).data
+        except Exception:  # noqa: BLE001 - only needed when --model is not given
+            if model is None:
+                raise
+            listed = []
+        if not listed and model is None:
+            raise ValueError(f"{url}/models lists no model; pass --model")
+        root = (listed[0].model_extra or {}).get("root") if listed else None  # Carpool's: the model folder or hub id
+        model = model or listed[0].id
+        tok = None
+        if multi_turn:
+            name = tokenizer or root or model
+            try:
+                tok = await asyncio.to_thread(sp.load_tokenizer, name)
+            except Exception as exc:  # noqa: BLE001
+                raise ValueError(f"multi-turn needs the model's tokenizer; {name!r} did not load ({exc}); pass --tokenizer") from None
+            openings = await asyncio.to_thread(sp.opening_messages, tok, conversations, first_turn_len)
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="bench serve", unit="req")
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        counters_before = await sp.read_prefix_cache_counters(metrics_url, api_key)
         start = time.perf_counter()
 
-        async def task(i: int) -> None:
-            result = results[i]
+        async def send(result: RequestResult, prompt, n: int) -> tuple[bool, str]:
+            reply = ""
             try:
-                delay = start + offsets[i] - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
                 if semaphore is None:
-                    await _one_request(client, model, i, prompts[i][0], prompts[i][1], result)
+                    reply = await _one_request(client, model, result.index, prompt, n, result)
                 else:
                     async with semaphore:
-                        await _one_request(client, model, i, prompts[i][0], prompts[i][1], result)
+                        reply = await _one_request(client, model, result.index, prompt, n, result)
             except asyncio.CancelledError:
                 result.error = f"cancelled: not done within --timeout {timeout} s"
                 raise
@@ -197,18 +255,46 @@ async def run_serve_bench_async(
             finally:
                 if bar is not None:
                     bar.update(1)
+            return result.ok, reply
 
-        tasks = [asyncio.create_task(task(i)) for i in range(len(prompts))]
+        async def task(i: int) -> None:
+            delay = start + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if multi_turn:
+                turn_result = lambda turn: results[i * turns + turn - 1]  # noqa: E731
+                await sp.run_conversation(
+                    lambda turn, chat: send(turn_result(turn), chat, prompts[0][1]), i, openings[i], turns, logs[i], think_time
+                )
+            else:
+                sent = sp.SentTurn(sent_at=time.perf_counter(), messages=[{"role": "user", "content": prompts[i][0]}])
+                logs[i].turns.append(sent)
+                sent.ok, sent.reply = await send(results[i], prompts[i][0], prompts[i][1])
+
+        tasks = [asyncio.create_task(task(i)) for i in range(len(offsets))]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
         for t in pending:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
+        counters_after = await sp.read_prefix_cache_counters(metrics_url, api_key)
     if bar is not None:
         bar.close()
+    prefix_cache = sp.counter_deltas(counters_before, counters_after)
+    if prefix_cache is not None or multi_turn:
+        if tok is None:  # the other workloads load it only when the server reports a hit rate
+            try:
+                tok = await asyncio.to_thread(sp.load_tokenizer, tokenizer or root or model)
+            except Exception:  # noqa: BLE001 - then there is no best rate to report
+                tok = None
+        best = await asyncio.to_thread(sp.best_hit_rate, tok, logs) if tok is not None else None
+        prefix_cache = {**(prefix_cache or {"queries": None, "hits": None, "hit_rate": None, "replicas": {}}), "best": best}
+    if prefix_cache is not None:
+        prefix_cache["metrics_url"] = metrics_url
+    extra = {"conversations": conversations, "turns": turns, "first_turn_len": first_turn_len, "think_time_s": think_time} if multi_turn else {}
     return summarize(results, duration, url=url, model=model, request_rate=request_rate, workload=workload,
-                     seed=seed, max_concurrency=max_concurrency, timeout=timeout)
+                     seed=seed, max_concurrency=max_concurrency, timeout=timeout, prefix_cache=prefix_cache, **extra)
 
 
 def run_serve_bench(url: str, **kwargs) -> dict:
@@ -223,14 +309,20 @@ def summarize(results: list[RequestResult], duration_s: float, **settings) -> di
     ``workload, seed, max_concurrency, timeout_s, duration_s, completed, errors, error_messages``
     (the first few), ``requested_output_tokens`` (sum of max_tokens), ``output_tokens`` (sum of
     usage over completed requests), ``requests_per_s, output_tokens_per_s, ttft_ms, itl_ms, e2e_ms``
-    (each ``{mean, p50, p90, p99}``) and ``requests`` (per request: index, max_tokens, ok,
-    output_tokens, ttft_ms, e2e_ms, error).
+    (each ``{mean, p50, p90, p99}``), ``prefix_cache`` and ``requests`` (per request: index,
+    max_tokens, ok, output_tokens, ttft_ms, e2e_ms, error; multi-turn adds conversation and turn).
+    ``prefix_cache``: None when the server's ``/metrics`` has no prefix cache counters, else the
+    run's ``queries`` and ``hits`` (tokens, summed over replicas), ``hit_rate``, ``replicas`` (the
+    same per replica), ``best`` (``{queries, hits, hit_rate}`` of one unbounded cache over the sent
+    prompts, None without a tokenizer) and ``metrics_url``. Multi-turn adds ``conversations``,
+    ``turns``, ``first_turn_len`` and ``think_time_s``.
     """
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     rate = settings.pop("request_rate")
     timeout = settings.pop("timeout")
+    multi_turn = {k: settings[k] for k in ("conversations", "turns", "first_turn_len", "think_time_s") if k in settings}
     return {
         "url": settings["url"],
         "model": settings["model"],
@@ -251,12 +343,15 @@ def summarize(results: list[RequestResult], duration_s: float, **settings) -> di
         "ttft_ms": summarize_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_ms": summarize_ms([gap for r in ok for gap in r.itl_s]),
         "e2e_ms": summarize_ms([r.e2e_s for r in ok]),
+        **multi_turn,
+        "prefix_cache": settings.get("prefix_cache"),
         "requests": [
             {
                 "index": r.index, "max_tokens": r.max_tokens, "ok": r.ok, "output_tokens": r.output_tokens,
                 "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
                 "e2e_ms": None if r.e2e_s is None else r.e2e_s * 1000,
                 "error": r.error,
+                **({"conversation": r.conversation, "turn": r.turn} if r.conversation is not None else {}),
             }
             for r in results
         ],
@@ -270,7 +365,10 @@ def format_table(summary: dict) -> str:
 
     lines = [
         f"model: {summary['model']}  url: {summary['url']}",
-        f"requests: {summary['num_prompts']}  rate: {summary['request_rate']} req/s  "
+        f"requests: {summary['num_prompts']}"
+        + (f" ({summary['conversations']} conversations x {summary['turns']} turns, think time {summary['think_time_s']} s)"
+           if "turns" in summary else "")
+        + f"  rate: {summary['request_rate']} req/s  "
         f"max concurrency: {summary['max_concurrency'] or '-'}  workload: {summary['workload']}",
         f"completed: {summary['completed']}  errors: {summary['errors']}  duration: {summary['duration_s']:.2f} s",
         f"output tokens: {summary['output_tokens']} (requested {summary['requested_output_tokens']})",
@@ -281,6 +379,17 @@ def format_table(summary: dict) -> str:
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")):
         s = summary[key]
         lines.append(f"{name:<12}" + "".join(f"{num(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+    cache = summary.get("prefix_cache")
+    if cache is not None:
+        def pct(v):
+            return "-" if v is None else f"{v:.1%}"
+
+        best = cache.get("best") or {}
+        lines += ["", f"prefix cache: hit rate {pct(cache['hit_rate'])} ({cache['hits']} of {cache['queries']} prompt tokens), "
+                      f"best possible {pct(best.get('hit_rate'))}"]
+        if len(cache["replicas"]) > 1:
+            lines.append("  per replica: " + ", ".join(
+                f"{name}: {pct(r['hit_rate'])} of {r['queries']}" for name, r in cache["replicas"].items()))
     if summary["error_messages"]:
         lines += ["", "first errors:"] + [f"  {m}" for m in summary["error_messages"]]
     return "\n".join(lines)

@@ -55,3 +55,28 @@ def test_bench_serve_reports_every_request(served, tmp_path, capsys):
     assert written["completed"] == NUM_PROMPTS and written["request_rate"] == 20.0
     out = capsys.readouterr().out
     assert "TTFT" in out and "ITL" in out and "e2e" in out and "output tok/s" in out
+
+
+def test_bench_serve_multi_turn_reports_the_prefix_cache_hit_rate(served, tmp_path, capsys):
+    """Conversations resend their history: the server's prefix cache hits (read from /metrics),
+    and the best possible rate is computed from the prompts as the ingress tokenizes them."""
+    conversations, turns, max_tokens = 3, 3, 6
+    summary = serve_main(
+        served.base_url, json_path=tmp_path / "mt.json", workload="multi-turn", conversations=conversations,
+        turns=turns, first_turn_len=64, max_tokens=max_tokens, think_time=0.1, timeout=120, progress=False,
+    )
+    assert summary["completed"] == conversations * turns and summary["errors"] == 0, summary["error_messages"]
+    assert (summary["conversations"], summary["turns"], summary["think_time_s"]) == (conversations, turns, 0.1)
+    pairs = sorted((r["conversation"], r["turn"]) for r in summary["requests"])
+    assert pairs == [(c, t) for c in range(conversations) for t in range(1, turns + 1)]
+    assert all(r["output_tokens"] == max_tokens for r in summary["requests"])
+    cache = summary["prefix_cache"]
+    assert cache is not None and cache["metrics_url"] == served.root_url + "/metrics"
+    assert len(cache["replicas"]) == 1
+    # Every prompt was looked up once (the tokenizer the bench simulates with is the ingress's),
+    # and later turns found their history cached.
+    assert cache["queries"] >= cache["best"]["queries"] > 0
+    assert 0 < cache["hit_rate"] and 0 < cache["best"]["hit_rate"] < 1
+    assert cache["hits"] <= cache["best"]["hits"] + 16 * conversations * turns
+    assert json.loads((tmp_path / "mt.json").read_text())["prefix_cache"]["hits"] == cache["hits"]
+    assert "prefix cache: hit rate" in capsys.readouterr().out

@@ -208,3 +208,176 @@ def test_profile_reports_each_phase_of_a_step(tiny_llama, tmp_path, capsys):
     assert "forward" in capsys.readouterr().out
     with pytest.raises(ValueError, match="ended before"):
         profile_main(model=tiny_llama, dtype="float32", max_num_seqs=4, num_requests=2, skip=0, steps=500)
+
+
+# ---- carpool bench prefix: prefix caching on vs off ------------------------------------------
+def test_shared_prefix_workload_shares_exactly_the_system_turn(smollm2_tokenizer):
+    from cluster.bench import prefix_workloads as pw
+
+    requests = pw.shared_prefix(smollm2_tokenizer, 64, system_prompt_len=512, output_len=32)
+    again = pw.shared_prefix(smollm2_tokenizer, 64, system_prompt_len=512, output_len=32)
+    assert [r.prompt_token_ids for r in requests] == [r.prompt_token_ids for r in again]  # deterministic
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 64 and all(r.max_tokens == 32 for r in requests)
+    shared = pw.common_prefix_len(r.prompt_token_ids for r in requests)
+    # The system text is at most 512 tokens; the template's turn markers add a few, and every
+    # request's user turn starts right after the shared system turn.
+    system_ids = smollm2_tokenizer.encode(requests[0].messages[0]["content"], add_special_tokens=False)
+    assert 500 <= len(system_ids) <= 512 and len(system_ids) < shared <= len(system_ids) + 16
+    for r in requests:
+        assert r.prompt_token_ids == pw.render_ids(smollm2_tokenizer, r.messages)  # as the ingress tokenizes
+        assert len(r.prompt_token_ids) - shared < 40  # short distinct questions
+    assert len(set(pw.user_questions(100))) == 100
+
+
+def test_multi_turn_next_prompt_is_previous_prompt_output_and_user_turn(smollm2_tokenizer):
+    """A turn's ids are the previous prompt, its output, then exactly what the chat template writes
+    for one more user turn, so prefixes match token for token."""
+    from cluster.bench import prefix_workloads as pw
+
+    tok = smollm2_tokenizer
+    first = pw.multi_turn_openings(tok, num_conversations=3, first_turn_len=100, output_len=5)
+    assert len({tuple(r.prompt_token_ids[:40]) for r in first}) == 3  # each opens with its own passage
+    reply = "Line 3 is closed after ten."
+    reply_ids = tok.encode(reply, add_special_tokens=False)
+    second = pw.next_turn(tok, first[1], reply_ids)
+    assert (second.conversation, second.turn, second.id, second.max_tokens) == (1, 2, "c1t2", 5)
+    assert second.prompt_token_ids[: len(first[1].prompt_token_ids) + len(reply_ids)] == first[1].prompt_token_ids + reply_ids
+    chat = first[1].messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": pw.follow_up(1, 2)}]
+    assert second.prompt_token_ids == pw.render_ids(tok, chat)
+
+
+def test_prefix_cache_simulator_counts_like_the_engine():
+    from cluster.bench.prefix_workloads import simulate_prefix_cache
+
+    a = list(range(40))  # 2 full blocks of 16 and 8 more tokens
+    b = list(range(32)) + [99] * 8  # shares a's 2 full blocks
+    c = list(range(32))  # exactly a's 2 blocks: the last token is always computed, so 1 block hits
+    result = simulate_prefix_cache([(a, a), (b, b), (c, c), ([7] * 20, [7] * 20)])
+    assert result["queries"] == 40 + 40 + 32 + 20
+    assert result["hits"] == 0 + 32 + 16 + 0
+    assert result["hit_rate"] == pytest.approx(48 / 132)
+
+
+@pytest.fixture(scope="module")
+def prefix_bench(tiny_llama, tmp_path_factory, monkeypatch_module):
+    """Both workloads, caching on and off, with every multi-turn turn's construction recorded."""
+    from cluster.bench import prefix_workloads as pw
+    from cluster.bench.prefix import prefix_main
+
+    turns = []
+    real_next_turn = pw.next_turn
+
+    def recording_next_turn(tokenizer, previous, output_token_ids, **kwargs):
+        following = real_next_turn(tokenizer, previous, output_token_ids, **kwargs)
+        turns.append((previous, list(output_token_ids), following))
+        return following
+
+    monkeypatch_module.setattr(pw, "next_turn", recording_next_turn)
+    path = tmp_path_factory.mktemp("prefix") / "prefix.json"
+    summary = prefix_main(
+        model=tiny_llama, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4, num_requests=6,
+        system_prompt_len=64, output_len=4, num_conversations=3, num_turns=3, first_turn_len=40,
+        json_path=path, progress=False,
+    )
+    return summary, json.loads(path.read_text()), turns
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_prefix_bench_json_shape_and_hit_rates(prefix_bench):
+    summary, data, _ = prefix_bench
+    assert data == json.loads(json.dumps(summary))
+    assert data["max_num_seqs"] == 4 and data["output_len"] == 4 and data["settings"] == ["on", "off"]
+    assert [w["workload"] for w in data["workloads"]] == ["shared-prefix", "multi-turn"]
+    for w in data["workloads"]:
+        runs = {r["caching"]: r for r in w["results"]}
+        assert set(runs) == {"on", "off"} and set(w["ratios"]) == {"ttft_p50_off_over_on", "ttft_p90_off_over_on", "tok_s_on_over_off"}
+        for r in runs.values():
+            assert len(r["requests"]) == w["num_requests"] and all(q["output_tokens"] == 4 for q in r["requests"])
+            assert r["output_tokens"] == 4 * w["num_requests"]
+            assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+            assert r["prompt_tokens"] == sum(q["prompt_tokens"] for q in r["requests"])
+            assert all(0 < q["ttft_s"] <= q["latency_s"] for q in r["requests"])
+            assert r["ttft_s"]["p50"] <= r["ttft_s"]["p90"]
+        on, off = runs["on"], runs["off"]
+        assert on["prefix_cache_queries"] >= on["prompt_tokens"]  # every prompt is looked up (preemption may repeat)
+        assert 0 < on["hit_rate"] <= on["best_hit_rate"] + 1e-9, w["workload"]
+        assert on["prefix_cache_hits"] == sum(q["cached_tokens"] for q in on["requests"])
+        assert off["hit_rate"] == 0 and off["prefix_cache_hits"] == 0 and all(q["cached_tokens"] == 0 for q in off["requests"])
+        assert w["ratios"]["tok_s_on_over_off"] == pytest.approx(on["output_tokens_per_s"] / off["output_tokens_per_s"])
+        assert w["ratios"]["ttft_p50_off_over_on"] == pytest.approx(off["ttft_s"]["p50"] / on["ttft_s"]["p50"])
+    shared = data["workloads"][0]
+    on = {r["caching"]: r for r in shared["results"]}["on"]
+    assert shared["shared_prefix_tokens"] >= 64
+    # Every request after the first finds the shared system turn's full blocks cached.
+    assert all(q["cached_tokens"] >= shared["shared_prefix_tokens"] // 16 * 16 - 16 for q in on["requests"][1:])
+
+
+def test_prefix_bench_multi_turn_resends_each_turn_with_its_real_output(prefix_bench, tiny_llama):
+    from replica import LLM, SamplingParams
+
+    summary, _, turns = prefix_bench
+    mt = summary["workloads"][1]
+    runs = {r["caching"]: r for r in mt["results"]}
+    for r in runs.values():
+        assert sorted((q["conversation"], q["turn"]) for q in r["requests"]) == [(c, t) for c in range(3) for t in (1, 2, 3)]
+        for q in r["requests"]:  # closed loop: a turn arrives once the previous one has finished
+            if q["turn"] > 1:
+                (prev,) = [p for p in r["requests"] if (p["conversation"], p["turn"]) == (q["conversation"], q["turn"] - 1)]
+                assert q["arrival_s"] >= prev["arrival_s"] + prev["latency_s"] - 1e-6
+                assert q["prompt_tokens"] > prev["prompt_tokens"] + 4
+    assert runs["on"]["prompt_tokens"] == runs["off"]["prompt_tokens"]  # caching does not change the outputs
+    for r in runs.values():
+        assert list(r["ttft_s_by_turn"]) == ["1", "2", "3"]
+        first_turns = [q["ttft_s"] for q in r["requests"] if q["turn"] == 1]
+        assert r["ttft_s_by_turn"]["1"]["p99"] == pytest.approx(max(first_turns))
+    assert len(turns) == 2 * 3 * 2  # two settings x 3 conversations x 2 later turns
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=4)
+    for previous, output, following in turns:
+        assert len(output) == 4
+        assert following.prompt_token_ids[: len(previous.prompt_token_ids) + 4] == previous.prompt_token_ids + output
+        # the output is what the model generates for that prompt (greedy)
+        [got] = llm.generate(prompt_token_ids=[previous.prompt_token_ids], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert got.outputs[0].token_ids == output
+
+
+def test_cli_prefix_rejects_bad_input(capsys):
+    from cluster.bench import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["prefix", "-w", "nonsense", "--no-progress"])
+    assert done.value.code == 2
+    assert "workload must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["prefix", "--caching", "maybe", "--no-progress"])
+    assert done.value.code == 2
+    assert "settings must be among" in capsys.readouterr().err
+
+
+def test_serve_bench_reads_prefix_cache_counters_per_replica():
+    """``carpool bench serve``'s hit rate: the run's deltas of the counters in ``/metrics``,
+    summed over the replicas seen in both scrapes."""
+    from cluster.bench.serve_prefix import counter_deltas, metrics_url_of, parse_prefix_cache_counters
+
+    def exposition(a_q, a_h, b_q, b_h):
+        lines = ["# HELP carpool:prefix_cache_queries_total Tokens looked up.", "# TYPE carpool:prefix_cache_queries_total counter"]
+        lines += [f'carpool:prefix_cache_queries_total{{model_name="m",replica="{r}"}} {q}' for r, q in (("a", a_q), ("b", b_q))]
+        lines += ["# HELP carpool:prefix_cache_hits_total Tokens found.", "# TYPE carpool:prefix_cache_hits_total counter"]
+        lines += [f'carpool:prefix_cache_hits_total{{model_name="m",replica="{r}"}} {h}' for r, h in (("a", a_h), ("b", b_h))]
+        lines += ['carpool:num_preemptions_total{model_name="m",replica="a"} 3.0']
+        return "\n".join(lines) + "\n"
+
+    before = parse_prefix_cache_counters(exposition(100, 10, 50, 0))
+    assert before == {"a": {"queries": 100.0, "hits": 10.0}, "b": {"queries": 50.0, "hits": 0.0}}
+    after = parse_prefix_cache_counters(exposition(400, 210, 150, 50))
+    deltas = counter_deltas(before, after)
+    assert (deltas["queries"], deltas["hits"]) == (400, 250) and deltas["hit_rate"] == pytest.approx(250 / 400)
+    assert deltas["replicas"]["a"] == {"queries": 300, "hits": 200, "hit_rate": pytest.approx(2 / 3)}
+    assert counter_deltas(None, after) is None and counter_deltas({}, {}) is None
+    assert parse_prefix_cache_counters("# nothing here\n") == {}
+    assert metrics_url_of("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000/metrics"
