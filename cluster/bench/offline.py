@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.bench import workloads as wl
-from cluster.bench.runner import RunResult, run_policy, warm_up
+from cluster.bench.runner import RunResult, bench_engine_kwargs, run_policy, warm_up
 
 POLICIES = ("continuous", "static")
 # "transformers": its static generate and its continuous batching; "transformers-static": only the
@@ -112,16 +112,10 @@ def offline_main(
 
     from replica import LLM
 
-    if threads:
-        torch.set_num_threads(threads)
-    engine_kwargs = dict(
-        dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        attention_backend=attention_backend, compile=compile,
+    engine_kwargs = bench_engine_kwargs(
+        model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
     )
-    if model:
-        engine_kwargs["model"] = model
-    if kv_cache_memory:
-        engine_kwargs["kv_cache_memory"] = kv_cache_memory
     llm = LLM(**engine_kwargs)
     hf_model = None
     if {"transformers", "transformers-static"} & set(compare):

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster.bench import prefix_workloads as pw
-from cluster.bench.runner import latency_summary
+from cluster.bench.runner import bench_engine_kwargs, latency_summary
 
 WORKLOADS = ("shared-prefix", "multi-turn")
 SETTINGS = ("on", "off")
@@ -291,16 +291,10 @@ def prefix_main(
 
     from replica import LLM
 
-    if threads:
-        torch.set_num_threads(threads)
-    engine_kwargs = dict(
-        dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        attention_backend=attention_backend, compile=compile,
+    engine_kwargs = bench_engine_kwargs(
+        model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
     )
-    if model:
-        engine_kwargs["model"] = model
-    if kv_cache_memory:
-        engine_kwargs["kv_cache_memory"] = kv_cache_memory
     engines = {s: LLM(**engine_kwargs, enable_prefix_caching=(s == "on")) for s in settings}
     llm = engines[settings[0]]
     tokenizer = llm.tokenizer

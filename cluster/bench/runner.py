@@ -230,3 +230,24 @@ def warm_up(llm, prompt_token_ids: list[int], num_seqs: int, max_tokens: int = 4
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompt_token_ids=[prompt_token_ids] * num_seqs, sampling_params=params)
+
+
+def bench_engine_kwargs(
+    *, model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory, attention_backend, compile, threads
+) -> dict:
+    """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``
+    and ``kv_cache_memory`` (bytes) left to the defaults when None); sets torch's thread count
+    when ``threads`` is given."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    kwargs = dict(
+        dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        attention_backend=attention_backend, compile=compile,
+    )
+    if model:
+        kwargs["model"] = model
+    if kv_cache_memory:
+        kwargs["kv_cache_memory"] = kv_cache_memory
+    return kwargs
