@@ -148,24 +148,28 @@ class BlockManager:
         self.num_evictions += 1
         return block_id
 
-    def cache_blocks(self, owner: str, hashes: Sequence[bytes], first: int) -> None:
+    def cache_blocks(self, owner: str, hashes: Sequence[bytes], first: int) -> list[int]:
         """Register ``owner``'s blocks ``first .. len(hashes) - 1`` under ``hashes[i]`` (their
         K/V is, or is being, computed). A hash already cached under another block keeps that
-        block; a block with a hash keeps it. A no-op when caching is off."""
+        block; a block with a hash keeps it. Returns the blocks registered now (none when
+        caching is off)."""
         if not self.enable_caching:
-            return
+            return []
         table = self._tables[owner]
+        registered = []
         for i in range(first, len(hashes)):
             block_id, block_hash = table[i], hashes[i]
             if self._block_hash[block_id] is None and block_hash not in self._hash_to_block:
                 self._block_hash[block_id] = block_hash
                 self._hash_to_block[block_hash] = block_id
+                registered.append(block_id)
+        return registered
 
-    def uncache(self, owner: str) -> int:
-        """Take ``owner``'s blocks out of the prefix cache (their K/V may be half written: its step
-        failed), whoever else holds them; they stay owned. Returns how many were cached."""
+    def uncache(self, block_ids: Sequence[int]) -> int:
+        """Take these blocks out of the prefix cache (their K/V may be half written: the step that
+        was to compute them failed); they stay owned. Returns how many were cached."""
         dropped = 0
-        for block_id in self._tables.get(owner, ()):
+        for block_id in block_ids:
             block_hash = self._block_hash[block_id]
             if block_hash is not None:
                 del self._hash_to_block[block_hash]

@@ -331,8 +331,9 @@ class LLMEngine:
         )
         outputs = []
         seen: set[str] = set()
-        for sched in out.scheduled:  # blocks this step filled may be half written: out of the cache
-            self.block_manager.uncache(sched.request.request_id)
+        # Blocks registered for this step to fill may be half written: out of the cache. Only
+        # this step's requests hold them; blocks registered earlier were computed by earlier steps.
+        self.block_manager.uncache(out.newly_cached)
         for sched in out.scheduled:
             request = sched.request
             if sched.is_padding or request.request_id in seen:

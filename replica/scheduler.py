@@ -55,6 +55,7 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    newly_cached: list[int] = field(default_factory=list)  # blocks registered for this step to fill
 
     @property
     def num_batched_tokens(self) -> int:
@@ -99,6 +100,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's counter)
         self.prefix_cache_hits = 0  # of those, tokens found cached
+        self._newly_cached: list[int] = []  # the current schedule()'s SchedulerOutput.newly_cached
         self._released: list[str] = []  # requests that left the running batch (see take_released)
 
     # ---- queue state -----------------------------------------------------------------------
@@ -187,6 +189,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose the requests and token counts of the next step and allocate their blocks."""
         out = SchedulerOutput(step=self.step_count + 1)
+        self._newly_cached = out.newly_cached
         budget = self.max_num_batched_tokens
         batch_was_empty = not self.running
 
@@ -308,7 +311,7 @@ class Scheduler:
         if bm.enable_caching and full > request.num_cached_blocks:
             if len(request.block_hashes) < full:
                 extend_block_hashes(request.block_hashes, request.all_token_ids, bm.block_size)
-            bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
+            self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
             request.num_cached_blocks = full
 
     def _pick_victim(self, requester: Request) -> Request:

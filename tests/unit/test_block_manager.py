@@ -284,7 +284,7 @@ def test_a_hash_cached_twice_keeps_its_first_block():
 
 def test_uncache_and_reset():
     bm = cached_pool()
-    assert bm.uncache("a") == 3 and bm.cached_prefix(H[:1], 1) == []
+    assert bm.uncache(bm.block_table("a")) == 3 and bm.cached_prefix(H[:1], 1) == []
     bm.free("a")
     bm.check_integrity()
     bm.allocate("b", 8)
