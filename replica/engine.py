@@ -215,15 +215,17 @@ class LLMEngine:
                 using this engine.
         """
         started = time.monotonic()
-        sched = self.scheduler
-        queries, hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+        scheduler = self.scheduler
+        queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
         try:
             with record_function("carpool.schedule"):
-                out = sched.schedule()
+                out = scheduler.schedule()
         except Exception as exc:
             raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
         if self.metrics is not None:
-            self.metrics.on_prefix_cache(queries=sched.prefix_cache_queries - queries, hits=sched.prefix_cache_hits - hits)
+            self.metrics.on_prefix_cache(
+                queries=scheduler.prefix_cache_queries - queries, hits=scheduler.prefix_cache_hits - hits
+            )
         self.last_step_output = out
         for request_id in self.scheduler.take_released():
             self.runner.forget(request_id)

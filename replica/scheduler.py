@@ -288,9 +288,14 @@ class Scheduler:
             return None
         if request.sampling_params.prompt_logprobs is not None:
             return None
-        if len(request.block_hashes) < request.num_tokens // bm.block_size:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, bm.block_size)
+        self._hash_blocks(request, request.num_tokens // bm.block_size)
         return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
+
+    def _hash_blocks(self, request: Request, num_blocks: int) -> None:
+        """Make ``request.block_hashes`` cover at least its first ``num_blocks`` full blocks (lazily:
+        the sequence is copied only when a block is missing)."""
+        if len(request.block_hashes) < num_blocks:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_manager.block_size)
 
     def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
         """Grow ``request``'s blocks to ``num_tokens`` tokens, starting from the ``cached`` prefix
@@ -309,8 +314,7 @@ class Scheduler:
         request.block_ids = bm.block_table(request.request_id)
         full = num_tokens // bm.block_size
         if bm.enable_caching and full > request.num_cached_blocks:
-            if len(request.block_hashes) < full:
-                extend_block_hashes(request.block_hashes, request.all_token_ids, bm.block_size)
+            self._hash_blocks(request, full)
             self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
             request.num_cached_blocks = full
 
