@@ -213,6 +213,7 @@ class RequestPreparer:
         at what the context leaves after the prompt; an explicit one must fit. ``min_tokens`` must
         fit under both (else 400 naming ``min_tokens``), and ``stop_token_ids`` in the vocabulary."""
         limit = info["max_model_len"]
+        logit_bias = parse_logit_bias(body.logit_bias, info["vocab_size"])  # once, not once per choice
         for t in body.stop_token_ids or ():
             if t >= info["vocab_size"]:
                 raise OpenAIError(
@@ -260,7 +261,7 @@ class RequestPreparer:
                             prompt_logprobs=prompt_logprobs,
                             include_stop_str_in_output=body.include_stop_str_in_output,
                             skip_special_tokens=body.skip_special_tokens,
-                            logit_bias=parse_logit_bias(body.logit_bias, info["vocab_size"]),
+                            logit_bias=logit_bias,
                         )
                     )
                 except ValueError as exc:
