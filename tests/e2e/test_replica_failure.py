@@ -164,20 +164,45 @@ def test_a_killed_replica_is_replaced_its_queued_requests_retried_and_its_starte
     served = app
     assert httpx.get(served.root_url + "/health", timeout=10).status_code == 200
     seats = ENGINE.max_num_seqs
-    running = [{} for _ in range(2 * seats)]  # one per seat
+
+    def admitted() -> tuple[int, list[dict]]:
+        """Requests the replicas hold, once each has scheduled what its free seats can take
+        (-1 before that), and the stats."""
+        stats = replica_stats(served)
+        if any(s["num_waiting"] and s["num_running"] < seats for s in stats):
+            return -1, stats
+        return sum(s["num_running"] + s["num_waiting"] for s in stats), stats
+
+    # Fill every seat of both replicas with a long stream. Serve may place a burst unevenly (its
+    # queue-length probe of a busy replica can time out on 2 shared cores, and it then takes the
+    # other replica), so streams are added until both replicas run a full batch; one that lands on
+    # a full replica waits there, like the queued requests below.
+    running = [{} for _ in range(2 * seats)]
     threads = [start(tracked_stream, served, 200, probe) for probe in running]
-    wait_for(served, lambda: all(p.get("first_token") for p in running), "every seat to stream text")
+    while True:
+        wait_for(served, lambda: admitted()[0] == len(running), f"{len(running)} streams admitted")
+        stats = admitted()[1]
+        if len(stats) == 2 and all(s["num_running"] == seats for s in stats):
+            break
+        assert len(running) < 3 * seats, f"seats not filled by {len(running)} streams: {stats}"
+        running.append({})
+        threads.append(start(tracked_stream, served, 200, running[-1]))
+    wait_for(served, lambda: sum(bool(p.get("first_token")) for p in running) == 2 * seats,
+             "every seat to stream text")
     queued_streams = [{} for _ in range(4)]
     queued_plain: list = []
     threads += [start(tracked_stream, served, 20, probe) for probe in queued_streams]
     threads += [start(plain_request, served, 20, queued_plain) for _ in range(2)]
+    total = len(running) + len(queued_streams) + 2
 
     def seats_full_and_waiting() -> bool:
-        stats = replica_stats(served)
-        return len(stats) == 2 and all(s["num_running"] == seats and s["num_waiting"] >= 2 for s in stats)
+        count, stats = admitted()
+        return (count == total and len(stats) == 2 and all(s["num_running"] == seats for s in stats)
+                and max(s["num_waiting"] for s in stats) >= 2)
 
-    wait_for(served, seats_full_and_waiting, "full seats and requests waiting on both replicas")
-    victim = served.stats()[0]
+    wait_for(served, seats_full_and_waiting, "full seats on both replicas and every request admitted")
+    # The victim: the replica with more requests waiting behind its full seats.
+    victim = max(served.stats(), key=lambda s: s["num_waiting"])
     old_pids = {victim["pid"]}
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
