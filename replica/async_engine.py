@@ -126,7 +126,11 @@ class AsyncLLMEngine:
         """
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
-        request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # Compiling a new constraint may take milliseconds: not on this event loop.
+            request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
+        else:
+            request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if request.request_id in self._streams:

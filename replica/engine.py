@@ -23,6 +23,7 @@ from replica.model_runner import ModelRunner
 from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
 from replica.request_builder import build_request, eos_token_ids
 from replica.scheduler import Scheduler, SchedulerOutput
+from replica.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ class LLMEngine:
         if self.warm_up_report:
             logger.info("engine warm-up: %s", self.warm_up_report)
         self.eos_token_ids = eos_token_ids(self.runner.model, self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, on_compile=metrics.on_grammar_compiled if metrics is not None else None
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
@@ -148,7 +152,7 @@ class LLMEngine:
             str(request_id) if request_id is not None else f"req-{next(self._ids)}",
             prompt, prompt_token_ids, sampling_params, arrival_time,
             tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.eos_token_ids, grammar_compiler=self.grammar_compiler,
         )
 
     def add_request(

@@ -23,6 +23,8 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # replica.structured_output.KINDS
+COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class EngineMetrics:
@@ -85,6 +87,22 @@ class EngineMetrics:
         }
         self.requests_aborted = counter("requests_aborted", "Requests aborted (client gone or cancelled).")
         self.requests_rejected = counter("requests_rejected", "Requests refused at admission (bad input, overload).")
+        # Structured output
+        self._constrained = Counter(
+            "carpool:structured_output_requests",
+            "Requests with an output constraint, by kind (json, json_object, regex, choice, grammar).",
+            names + ["kind"],
+            registry=r,
+        )
+        self.structured_output_requests = {
+            kind: self._constrained.labels(**self.labels, kind=kind) for kind in CONSTRAINT_KINDS
+        }
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Compiling a new output constraint (cache misses only).", COMPILE_BUCKETS
+        )
+        self.grammar_cache_hits = counter(
+            "grammar_cache_hits", "Constrained requests whose constraint was compiled already (cached)."
+        )
         # Latency
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first generated token (TTFT).", LATENCY_BUCKETS
@@ -144,6 +162,14 @@ class EngineMetrics:
 
     def on_rejected(self) -> None:
         self.requests_rejected.inc()
+
+    def on_grammar_compiled(self, kind: str, seconds: float, cached: bool) -> None:
+        """A constrained request's constraint was compiled (``cached``: copied from the cache)."""
+        self.structured_output_requests[kind].inc()
+        if cached:
+            self.grammar_cache_hits.inc()
+        else:
+            self.grammar_compile_time.observe(seconds)
 
     def exposition(self) -> bytes:
         """This engine's series in the Prometheus text format."""

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from replica.structured_output import StructuredOutputsParams
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped, with the string OpenAI and vLLM use for it."""
@@ -73,6 +75,10 @@ class SamplingParams:
             token, 100 forces it), at most ``MAX_LOGIT_BIAS_ENTRIES`` entries. Logprobs stay
             those of the unbiased logits (as vLLM reports them). The engine also refuses ids
             outside the model's vocabulary.
+        structured_outputs: a constraint on the output (a JSON schema, any JSON object, a regex,
+            a choice, a Lark grammar; :class:`~replica.structured_output.StructuredOutputsParams`
+            or a dict of its fields), enforced while decoding. The request ends (``stop``) as
+            soon as the constraint is complete, even before ``min_tokens``.
     """
 
     n: int = 1
@@ -94,6 +100,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     MAX_LOGPROBS = 20
 
@@ -196,6 +203,17 @@ class SamplingParams:
                 if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
             self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        elif self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.validate()
 
 
 @dataclass
@@ -253,6 +271,8 @@ class Request:
     # lazily by the scheduler), and how many of the request's blocks are in the prefix cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Structured output: the constraint's state (replica.structured_output.Grammar), or None.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

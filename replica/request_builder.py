@@ -37,6 +37,7 @@ def build_request(
     vocab_size: int,
     max_model_len: int,
     eos_token_ids: tuple[int, ...],
+    grammar_compiler: Any = None,
 ) -> Request:
     """A checked :class:`Request`: text prompts are tokenized (with the tokenizer's special
     tokens); ``sampling_params`` default to vLLM's; ``arrival_time`` defaults to now (monotonic s).
@@ -45,7 +46,11 @@ def build_request(
         ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id outside the
             vocabulary (prompt or ``logit_bias``), a prompt of ``max_model_len`` tokens or more
             (more only, with ``max_tokens=0``),
-            bad ``sampling_params``.
+            bad ``sampling_params``, a ``structured_outputs`` constraint that does not compile
+            (or any constraint when ``grammar_compiler`` is None).
+
+    ``grammar_compiler`` (:class:`~replica.structured_output.GrammarCompiler`) compiles the
+    constraint here, in the caller's thread: never on the engine loop.
     """
     params = sampling_params if sampling_params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -71,10 +76,16 @@ def build_request(
             f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {max_model_len} "
             "(prompt + output tokens), so the prompt must be shorter"
         )
+    grammar = None
+    if params.structured_outputs is not None:
+        if grammar_compiler is None:
+            raise ValueError("structured_outputs: this engine has no grammar compiler")
+        grammar = grammar_compiler.compile(params.structured_outputs)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling_params=params,
         eos_token_ids=eos_token_ids,
         arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        grammar=grammar,
     )

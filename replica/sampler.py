@@ -11,7 +11,9 @@ The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
    multiplied), then OpenAI's frequency and presence penalties over the *output* tokens only
    (``logit -= frequency * count + presence * (count > 0)``). Same order as vLLM.
 2. **min_tokens** (:func:`apply_min_tokens`): EOS (unless ``ignore_eos``) and ``stop_token_ids``
-   get ``-inf`` while fewer than ``min_tokens`` tokens have been generated.
+   get ``-inf`` while fewer than ``min_tokens`` tokens have been generated. Then **structured
+   output** (:func:`~replica.structured_output.apply_grammar_masks`): on the rows with a
+   constraint, every token it forbids gets ``-inf``.
 3. **Greedy rows** (``temperature == 0``, or below 1e-5 as in vLLM): ``torch.argmax`` of these
    logits, exactly what ``transformers``' greedy ``generate`` picks (it also applies its
    repetition penalty first).
@@ -42,6 +44,7 @@ import torch
 from replica import cpu_kernels
 from replica.logprobs import token_logprobs
 from replica.request import Request, TokenLogprobs
+from replica.structured_output import apply_grammar_masks
 
 # Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -73,10 +76,11 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _plain_greedy(request: Request) -> bool:
     """Greedy, with nothing that needs float32 logits: no logit bias, no penalty, no min_tokens
-    mask, no logprobs."""
+    mask, no constraint, no logprobs."""
     p = request.sampling_params
     return (
-        p.temperature < GREEDY_TEMPERATURE_EPS
+        request.grammar is None
+        and p.temperature < GREEDY_TEMPERATURE_EPS
         and p.logprobs is None
         and not p.logit_bias
         and not _needs_penalties(request)
@@ -285,6 +289,7 @@ class Sampler:
             r.sampling_params.logit_bias
             or _needs_penalties(r)
             or len(r.output_token_ids) < r.sampling_params.min_tokens
+            or r.grammar is not None
             for r in requests
         )
         if needs_copy:
@@ -292,6 +297,7 @@ class Sampler:
             apply_logit_bias(work, requests)
             apply_penalties(work, requests)
             apply_min_tokens(work, requests)
+            apply_grammar_masks(work, requests)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         greedy = [r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests]

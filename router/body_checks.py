@@ -108,10 +108,6 @@ class BodyChecks:
             OpenAIError: 404 for another model, 400 naming the field otherwise.
         """
         self._check_common(body)
-        if body.tools:
-            raise OpenAIError("tools are not supported", param="tools", code="unsupported")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format", code="unsupported")
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:

@@ -57,6 +57,16 @@ class IngressConfig(BaseModel):
             "whole (by Content-Length, or while a chunked body arrives)."
         ),
     )
+    tool_call_parser: str = Field(
+        "auto",
+        description="The format tool calls are read from with tool_choice 'auto': 'hermes' (<tool_call> blocks), "
+        "or 'auto' (the template's own).",
+    )
+    tool_chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file for chats with tools; default: the model's own if it renders "
+        "tools, else Carpool's ChatML tool template for ChatML models.",
+    )
     shutdown_timeout_s: float = Field(
         30.0,
         ge=0,
@@ -65,6 +75,15 @@ class IngressConfig(BaseModel):
             "503 meanwhile) before the rest are ended with a 503 error and the server stops."
         ),
     )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_parser(cls, value: str) -> str:
+        from router.tool_templates import PARSER_NAMES
+
+        if value not in PARSER_NAMES:
+            raise ValueError(f"must be one of {', '.join(PARSER_NAMES)}")
+        return value
 
     @field_validator("api_key")
     @classmethod

@@ -20,6 +20,8 @@ from router.chat_template import ChatEncoder
 from router.config import IngressConfig
 from router.errors import sampling_error
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
+from router.structured import ToolPlan, constraint_of, tool_plan
+from router.tool_templates import ToolTemplates
 
 
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
@@ -35,6 +37,8 @@ class Prepared:
         prompt_texts: each prompt's text (for ``echo``; ``""`` where not needed).
         params: ``params[prompt_index][j]``, the sampling parameters of each choice.
         created: Unix time (seconds) of the preparation.
+        tool_plan: how a chat request uses its tools (:class:`~router.structured.ToolPlan`), or None.
+        tool_parser: the format tool calls are parsed from in ``auto`` mode.
     """
 
     def __init__(self, request_id: str, model: str, prompts: list[list[int]], prompt_texts: list[str], params: list[list[SamplingParams]]):
@@ -44,6 +48,8 @@ class Prepared:
         self.prompt_texts = prompt_texts
         self.params = params  # params[prompt_index][j]
         self.created = int(time.time())
+        self.tool_plan: ToolPlan | None = None
+        self.tool_parser = "hermes"
 
     def jobs(self) -> list[tuple[int, int, list[int], SamplingParams]]:
         """(choice index, prompt index, prompt ids, params); choice index = prompt_index * n + j."""
@@ -76,6 +82,7 @@ class RequestPreparer:
         # most as many characters as their vocabulary strings have); see _check_prompt_chars.
         self._max_token_chars = max(1, max(len(t) for t in tokenizer.get_vocab()))
         self._chat_encoder = ChatEncoder(tokenizer)  # the client's text stays text (router/chat_template.py)
+        self.tool_templates = ToolTemplates(tokenizer, config.tool_chat_template, config.tool_call_parser)
 
     # ---- tokens and sampling parameters ----------------------------------------------------------
     async def completion(self, body: CompletionRequest, info: dict[str, Any]) -> Prepared:
@@ -102,7 +109,10 @@ class RequestPreparer:
         if body.echo and body.logprobs is not None:  # echo scores the prompt too
             prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
         default = max(DEFAULT_COMPLETION_TOKENS, body.min_tokens)
-        return self._prepare("cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info)
+        constraint = await asyncio.to_thread(constraint_of, body) if _constrained(body) else None
+        return self._prepare(
+            "cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info, constraint=constraint
+        )
 
     async def chat(self, body: ChatCompletionRequest, info: dict[str, Any]) -> Prepared:
         """Apply the chat template to a checked ``/v1/chat/completions`` body and tokenize it (in
@@ -111,13 +121,32 @@ class RequestPreparer:
         Raises:
             OpenAIError: 400 as :meth:`completion`, or when the chat template fails.
         """
-        ids = await asyncio.to_thread(self._apply_chat_template, body, info)
+        plan, constraint = await asyncio.to_thread(self._constraints, body) if _constrained(body) else (None, None)
+        ids = await asyncio.to_thread(self._apply_chat_template, body, info, plan)
         self._check_prompt(ids, info, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         default = info["max_model_len"]  # all the context leaves
-        return self._prepare("chatcmpl", body, [ids], [""], max_tokens, default, logprobs, body.prompt_logprobs, info, param)
+        prepared = self._prepare(
+            "chatcmpl", body, [ids], [""], max_tokens, default, logprobs, body.prompt_logprobs, info, param,
+            constraint=constraint,
+        )
+        prepared.tool_plan, prepared.tool_parser = plan, self.tool_templates.parser
+        return prepared
+
+    @staticmethod
+    def _constraints(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Any]:
+        """The chat request's tool plan and the one constraint on its reply (the tool choice's or
+        the format's; both at once is a 400 naming ``response_format``)."""
+        plan = tool_plan(body)
+        constraint = constraint_of(body)
+        if plan is not None and plan.mode != "none" and constraint is not None:
+            raise OpenAIError(
+                f"response_format: an output format cannot be combined with tool_choice {plan.mode!r}; "
+                "send tool_choice 'none' to get the format", param="response_format", code="invalid_value",
+            )
+        return plan, plan.constraint if plan is not None and plan.constraint is not None else constraint
 
     def _check_prompt(self, ids: list[int], info: dict[str, Any], param: str, scored_only: bool = False) -> None:
         """Token ids inside the vocabulary and a prompt that leaves room for output: shorter than
@@ -149,7 +178,7 @@ class RequestPreparer:
                 code="context_length_exceeded",
             )
 
-    def _apply_chat_template(self, body: ChatCompletionRequest, info: dict[str, Any]) -> list[int]:
+    def _apply_chat_template(self, body: ChatCompletionRequest, info: dict[str, Any], plan: ToolPlan | None = None) -> list[int]:
         """Render the model's chat template over ``body.messages`` and tokenize; runs in a worker
         thread (``asyncio.to_thread``) so that the event loop keeps serving other requests.
 
@@ -167,6 +196,10 @@ class RequestPreparer:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         for m in messages:
             m.setdefault("content", "")
+        if plan is not None and plan.tools:
+            kwargs["tools"] = plan.tools  # a template variable: the client's strings in it stay text too
+        # The model's template, or the tool template where the model's cannot render tools.
+        template = {"chat_template": t} if (t := self.tool_templates.template_for(messages, "tools" in kwargs)) else {}
         for i, m in enumerate(messages):
             content = m["content"]
             if isinstance(content, str):
@@ -179,6 +212,7 @@ class RequestPreparer:
                     tokenize=False,
                     add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
                     continue_final_message=body.continue_final_message,
+                    **template,
                     **template_kwargs,
                 )
             except Exception as exc:  # jinja errors, e.g. a role the template rejects
@@ -208,6 +242,7 @@ class RequestPreparer:
         prompt_logprobs: int | None,
         info: dict[str, Any],
         max_tokens_param: str = "max_tokens",
+        constraint: Any = None,
     ) -> Prepared:
         """One SamplingParams per choice. An omitted ``max_tokens`` is ``default_max_tokens`` capped
         at what the context leaves after the prompt; an explicit one must fit. ``min_tokens`` must
@@ -262,6 +297,7 @@ class RequestPreparer:
                             include_stop_str_in_output=body.include_stop_str_in_output,
                             skip_special_tokens=body.skip_special_tokens,
                             logit_bias=logit_bias,
+                            structured_outputs=constraint,
                         )
                     )
                 except ValueError as exc:
@@ -269,3 +305,11 @@ class RequestPreparer:
             params.append(per_prompt)
         request_id = f"{kind}-{uuid.uuid4().hex}"
         return Prepared(request_id, self.model_name, prompts, texts, params)
+
+
+def _constrained(body: _SamplingRequest) -> bool:
+    """The body sends a field that may constrain the output (checked in a worker thread)."""
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return any(getattr(body, f) is not None for f in fields) or getattr(body, "tools", None) is not None or getattr(
+        body, "tool_choice", None
+    ) is not None

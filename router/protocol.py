@@ -127,6 +127,17 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: StrictInt | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Each prompt token's logprob and this many top alternatives (vLLM's extra)."
     )
+    # Structured output (router/structured.py): OpenAI's response_format, vLLM's extras.
+    response_format: Any = Field(
+        None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name', 'schema', 'strict'}}.",
+    )
+    structured_outputs: Any = Field(
+        None, description="vLLM's extra: exactly one of json (a schema), json_object, regex, choice, grammar (Lark).",
+    )
+    guided_json: Any = Field(None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: Any = Field(None, description="vLLM's older name of structured_outputs.regex.")
+    guided_choice: Any = Field(None, description="vLLM's older name of structured_outputs.choice.")
+    guided_grammar: Any = Field(None, description="vLLM's older name of structured_outputs.grammar.")
 
     @field_validator("stop")
     @classmethod
@@ -219,5 +230,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = Field(None, description="Not supported: must be empty.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
+    tools: Any = Field(None, description="Functions the model may call: [{'type': 'function', 'function': {'name', 'description', 'parameters'}}].")
+    tool_choice: Any = Field(
+        None, description="'none', 'auto' (default with tools), 'required', or {'type': 'function', 'function': {'name': ...}}.",
+    )
+    parallel_tool_calls: StrictBool = Field(True, description="False: at most one tool call per reply.")

@@ -20,6 +20,7 @@ from replica.request import StepOutput, TokenLogprobs
 from router.errors import StreamError
 from router.preparation import Prepared
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.tool_calls import ToolCallStream, parse_reply
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
 
@@ -227,14 +228,22 @@ class ResponseFormatter:
     def chat_body(self, prepared: Prepared, body: ChatCompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
         """The ``chat.completion`` body of ``outputs`` (one per job of ``prepared``, in order)."""
         choices = _collect(prepared, outputs)
+        plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
         out = []
         for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+            finish_reason = c.finish_reason
+            if plan is not None:
+                message["content"], calls = parse_reply(message["content"], plan, prepared.tool_parser)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish_reason = _tool_finish(plan.mode, finish_reason)
             out.append(
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "message": message,
                     "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -309,17 +318,28 @@ class ResponseFormatter:
             for index, _, _, _ in prepared.jobs()
         ]
 
+        plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
+        tool_streams = {index: ToolCallStream(plan, prepared.tool_parser) for index, _, _, _ in prepared.jobs()} if plan else {}
+
         def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
             prompt_logprobs = None
             if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                 prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, body.prompt_logprobs)
-            if not delta.new_text and not delta.finished and not (body.logprobs and delta.new_logprobs) and prompt_logprobs is None:
+            text, calls, finish_reason = delta.new_text, [], delta.finish_reason
+            if plan is not None:
+                text, calls = tool_streams[index].feed(delta.new_text, delta.finished)
+                if tool_streams[index].calls:
+                    finish_reason = _tool_finish(plan.mode, finish_reason)
+            if not text and not calls and not delta.finished and not (body.logprobs and delta.new_logprobs) and prompt_logprobs is None:
                 return None
+            message = {"content": text} if text or (not delta.finished and not calls) else {}
+            if calls:
+                message["tool_calls"] = calls
             item = {
                 "index": index,
-                "delta": {"content": delta.new_text} if delta.new_text or not delta.finished else {},
+                "delta": message,
                 "logprobs": {"content": self._chat_logprobs(delta.new_logprobs or [])} if body.logprobs else None,
-                "finish_reason": delta.finish_reason if delta.finished else None,
+                "finish_reason": finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }
             if prompt_logprobs is not None:
@@ -361,6 +381,12 @@ class ResponseFormatter:
             yield exc.error.body()
         finally:  # closed early (client gone): no replica request outlives the response
             on_close()
+
+
+def _tool_finish(mode: str, finish_reason: str | None) -> str | None:
+    """A reply that calls tools ends with ``tool_calls`` (OpenAI's reason) where the model chose
+    to call (``auto``, ``required``); a named function's reply keeps ``stop``, as OpenAI's does."""
+    return "tool_calls" if finish_reason == "stop" and mode != "named" else finish_reason
 
 
 async def sse_frames(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

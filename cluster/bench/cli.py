@@ -54,6 +54,7 @@ def offline(
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap text prompts in the model's chat template."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
     prompt_logprobs_requests: int = typer.Option(0, min=0, help="The first N requests also score their prompt (prompt_logprobs=1); not with sweep."),
+    constrained_requests: int = typer.Option(0, min=0, help="The last N requests are JSON-constrained (a schema they never complete: same lengths); not with sweep."),
 ) -> None:
     """Run a workload through the engine under continuous and static batching; print a table."""
     from cluster.bench.offline import offline_main
@@ -75,6 +76,7 @@ def offline(
             mean_tokens=mean_tokens, caps=cap_list, seed=seed, compare=compare, json_path=json_path,
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
             attention_backend=attention_backend, compile=compile, prompt_logprobs_requests=prompt_logprobs_requests,
+            constrained_requests=constrained_requests,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -63,6 +63,7 @@ def offline_main(
     attention_backend: str = "auto",
     compile: bool = True,
     prompt_logprobs_requests: int = 0,
+    constrained_requests: int = 0,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
@@ -85,6 +86,9 @@ def offline_main(
         progress: show progress bars (on stderr).
         prompt_logprobs_requests: this many requests of the workload (the first ones) also ask for
             their prompt's logprobs (``prompt_logprobs=1``): what scoring costs the others.
+        constrained_requests: this many requests of the workload (the last ones) are constrained
+            by :data:`~cluster.bench.workloads.ENDLESS_JSON` (same lengths): what structured output
+            costs the batch.
     Raises:
         ValueError: an unknown workload or compare target, or a bad JSONL file.
     """
@@ -163,6 +167,12 @@ def offline_main(
         for request in requests[:prompt_logprobs_requests]:
             request.prompt_logprobs = 1
         summary["prompt_logprobs_requests"] = min(prompt_logprobs_requests, len(requests))
+        if constrained_requests:
+            from replica.structured_output import StructuredOutputsParams
+
+            for request in requests[-constrained_requests:]:
+                request.structured_outputs = StructuredOutputsParams(json=wl.ENDLESS_JSON)
+        summary["constrained_requests"] = min(constrained_requests, len(requests))
         results = _run_all(requests, **run)
         summary.update(
             num_requests=len(requests),

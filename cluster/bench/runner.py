@@ -189,7 +189,10 @@ def _run(engine, workload: list[BenchRequest], policy: str, progress: bool) -> R
         while pending and (pending[0].arrival_step <= done_steps or idle):
             item = pending.pop(0)
             idle = False
-            params = SamplingParams(temperature=0, max_tokens=item.max_tokens, ignore_eos=True, prompt_logprobs=item.prompt_logprobs)
+            params = SamplingParams(
+                temperature=0, max_tokens=item.max_tokens, ignore_eos=True, prompt_logprobs=item.prompt_logprobs,
+                structured_outputs=item.structured_outputs,
+            )
             request = engine.make_request(f"bench-{policy}-{item.id}", prompt_token_ids=item.prompt_token_ids, sampling_params=params)
             engine.add_prepared_request(request)
             name_of[request.request_id] = item.id

@@ -21,6 +21,7 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -58,6 +59,28 @@ class BenchRequest:
     prompt_token_ids: list[int] | None = None
     arrival_step: int = 0
     prompt_logprobs: int | None = None  # also score the prompt (SamplingParams.prompt_logprobs)
+    structured_outputs: Any = None  # a constraint on the output (SamplingParams.structured_outputs)
+
+
+ENDLESS_JSON = {
+    "type": "array",
+    "minItems": 100000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "score": {"type": "number"},
+        },
+        "required": ["id", "name", "tags", "score"],
+        "additionalProperties": False,
+    },
+}
+"""A JSON schema no output completes within any ``max_tokens`` here (an array of at least 100,000
+objects with strings, enums and numbers): a request constrained by it generates exactly as many
+tokens as an unconstrained one, so two runs that differ only in constraints do the same work
+apart from the masks."""
 
 
 def seed_example() -> list[BenchRequest]:

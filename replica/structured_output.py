@@ -1,0 +1,271 @@
+"""Structured output: grammar-constrained decoding with llguidance.
+
+A request may carry a constraint (:class:`StructuredOutputsParams`, vLLM's names): a JSON schema,
+any JSON object, a regular expression, a choice of strings, or a Lark grammar. llguidance
+(github.com/guidance-ai/llguidance, the library vLLM's ``guidance`` backend and SGLang use)
+turns it into a matcher over the model's vocabulary; the matcher computes which tokens may come
+next (a bitmask, one bit per token id, 32 ids per ``int32`` word) and advances with each token.
+
+Per step (:func:`apply_grammar_masks`, called by the sampler): the rows whose request has a
+constraint get their bitmask filled by their matcher and every forbidden token's logit set to
+``-inf``, before temperature and truncation, so greedy and random sampling both pick an allowed
+token. Rows without a constraint are not touched (not copied, not read), so their tokens are
+exactly what they would be alone.
+
+After sampling, the scheduler hands each constrained request's token to its matcher
+(:meth:`Grammar.accept`): a completed constraint ends the request (``stop``); a token the matcher
+refuses (a dead end, which the mask makes unreachable unless other settings ban every allowed
+token) ends it with ``abort`` and :data:`DEAD_END` as its ``stop_reason``.
+
+Compilation (:class:`GrammarCompiler`) runs where requests are built, off the engine loop, and is
+cached by constraint: a cached matcher is copied (microseconds) for each new request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+DEAD_END = "structured output dead end: no token can continue the constraint"
+"""``stop_reason`` of a constrained request that ended because no allowed token could be sampled."""
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+"""How constrained JSON is laid out (llguidance's ``x-guidance`` options): one line, the
+separators of ``json.dumps``. Flexible whitespace lets a small model pad with newlines and spaces
+until ``max_tokens`` cuts its JSON short."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output; exactly one field is set (vLLM's
+    ``StructuredOutputsParams``).
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid under it.
+        json_object: the output is one JSON object (OpenAI's ``response_format: json_object``).
+        regex: the output matches this regular expression (Rust ``regex`` syntax, anchored).
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar in llguidance's dialect (``%json {...}`` embeds a schema).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the shape (not the grammar itself: :func:`grammar_error` does that).
+
+        Raises:
+            ValueError: naming the field: none or several set, or a field of the wrong type.
+        """
+        chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(KINDS)} must be set, got {chosen or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(self.json).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of :data:`KINDS`."""
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compile cache's key): equal constraints, equal keys."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar (its JSON text) of the constraint.
+
+        Raises:
+            ValueError: naming the field: a schema that is not JSON or not an object.
+        """
+        import llguidance
+
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            schema: Any = {"type": "object"} if kind == "json_object" else self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORMAT)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", self.choice)
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+def grammar_error(params: StructuredOutputsParams) -> str | None:
+    """Why ``params`` cannot be compiled (llguidance's message), or None if it can. Needs no
+    tokenizer, so the ingress checks constraints before any replica sees them."""
+    import llguidance
+
+    try:
+        grammar = params.to_grammar()
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return llguidance.LLMatcher.validate_grammar(grammar, None) or None
+
+
+class Grammar:
+    """A request's constraint state: an llguidance matcher advanced token by token.
+
+    Args:
+        matcher: a fresh ``llguidance.LLMatcher`` (nothing consumed yet).
+    """
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False if the constraint does not allow it (a dead end)."""
+        return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
+
+    @property
+    def is_finished(self) -> bool:
+        """The constraint is complete: nothing but the end of the output may follow."""
+        return bool(self.matcher.is_stopped())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (``[rows, ceil(V / 32)]`` int32, on
+        CPU, contiguous): bit ``t % 32`` of word ``t // 32`` is set iff token ``t`` is allowed."""
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
+class GrammarCompiler:
+    """Compiles constraints into :class:`Grammar` objects for one tokenizer, with a cache.
+
+    Thread-safe: requests are built in worker threads and on the replica's event loop.
+
+    Args:
+        tokenizer: the model's Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary (the logits' width, tokens); ids the tokenizer does not
+            have are never allowed.
+        cache_size: compiled constraints kept (least recently used dropped first).
+        on_compile: called as ``on_compile(kind, seconds, cached)`` for every compilation asked for
+            (metrics).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        cache_size: int = 512,
+        on_compile: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self.on_compile = on_compile
+        self._ll_tokenizer = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:  # ~0.4 s: the tokenizer's vocabulary as a token trie
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size)
+        return self._ll_tokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh :class:`Grammar` for ``params``.
+
+        Raises:
+            ValueError: naming ``structured_outputs``: the constraint does not compile (llguidance's
+                message).
+        """
+        import llguidance
+
+        key = params.key()
+        started = time.perf_counter()
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+            ll_tokenizer = self._tokenizer()
+        cached = template is not None
+        if template is None:
+            grammar = params.to_grammar()
+            template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+            error = template.get_error()
+            if error:
+                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {error}")
+            with self._lock:
+                self._cache[key] = template
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        matcher = template.deep_copy()
+        if self.on_compile is not None:
+            self.on_compile(params.kind, time.perf_counter() - started, cached)
+        return Grammar(matcher)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, ceil(V / 32)]`` int32 bitmask to ``[rows, V]`` bool (True: allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[int]:
+    """Set the logits of every token a row's constraint forbids to ``-inf``; in place.
+
+    Args:
+        logits: ``[num_rows, V]`` float; row ``i`` belongs to ``requests[i]``. Rows whose request
+            has no ``grammar`` are not touched.
+        requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
+    Returns:
+        The constrained rows, in order.
+
+    The bitmasks are filled on the CPU (llguidance computes them there) and unpacked with a few
+    tensor ops, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is a
+    ``torch.compile`` kernel: its first call compiles for seconds inside an engine step.
+    """
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return rows
+    vocab = logits.shape[-1]
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        requests[i].grammar.fill_bitmask(bitmask, k)
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, sub)
+    return rows
