@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.profiler import record_function
 
 from replica import cpu_kernels
 from replica.logprobs import token_logprobs
@@ -297,7 +298,8 @@ class Sampler:
             apply_logit_bias(work, requests)
             apply_penalties(work, requests)
             apply_min_tokens(work, requests)
-            apply_grammar_masks(work, requests)
+            with record_function("carpool.grammar_masks"):
+                apply_grammar_masks(work, requests)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         greedy = [r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests]

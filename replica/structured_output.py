@@ -30,6 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 DEAD_END = "structured output dead end: no token can continue the constraint"
@@ -236,11 +237,21 @@ class GrammarCompiler:
         return Grammar(matcher)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[rows, ceil(V / 32)]`` int32 bitmask to ``[rows, V]`` bool (True: allowed)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[rows, ceil(V / 32)]`` int32 bitmask (on CPU) to a ``[rows, V]`` bool mask on ``device``,
+    True where a token is *not* allowed.
+
+    On CPU, NumPy's ``unpackbits`` over the little-endian bytes (bit ``t % 8`` of byte ``t // 8``
+    is token ``t``), about 10x faster than shifting int32 words with torch; on other devices the
+    packed mask is copied over (32x smaller) and unpacked there with shifts.
+    """
+    if torch.device(device).type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits == 0)
+    packed = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] == 0
 
 
 def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[int]:
@@ -253,9 +264,9 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
     Returns:
         The constrained rows, in order.
 
-    The bitmasks are filled on the CPU (llguidance computes them there) and unpacked with a few
-    tensor ops, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is a
-    ``torch.compile`` kernel: its first call compiles for seconds inside an engine step.
+    The bitmasks are filled on the CPU (llguidance computes them there) and unpacked by
+    :func:`forbidden_tokens`, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is
+    a ``torch.compile`` kernel: its first call compiles for seconds inside an engine step.
     """
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
@@ -264,8 +275,10 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, k)
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+    forbidden = forbidden_tokens(bitmask, vocab, logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(forbidden, float("-inf"))
+        return rows
     index = torch.tensor(rows, device=logits.device)
-    sub = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index, sub)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
     return rows

@@ -168,6 +168,8 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
         if "parameters" in function and function["parameters"] is not None:
             schema = _schema(function["parameters"], f"{param}.function.parameters")
             _checked(_build(f"{param}.function.parameters", json=schema), f"{param}.function.parameters")
+            if schema is not function["parameters"]:  # given as JSON text: the template shows the object
+                tools = [*tools[:i], {**tool, "function": {**function, "parameters": schema}}, *tools[i + 1 :]]
     return tools
 
 

@@ -40,6 +40,8 @@ def _calls_of(value: Any) -> list[dict[str, Any]] | None:
     """Tool calls from a parsed JSON object (or list of them) with ``name`` and ``arguments`` (or
     ``parameters``); None if it is not shaped so."""
     items = value if isinstance(value, list) else [value]
+    if not items:
+        return None
     calls = []
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -119,7 +121,7 @@ class ToolCallStream:
             call = new_call(self.plan.name, text)
             self._named_id = call["id"]
             self.calls.append(call)
-            return [{"index": 0, **call}]
+            return [{"index": 0, **call, "function": dict(call["function"])}]  # later pieces extend the stored call
         self.calls[0]["function"]["arguments"] += text
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 

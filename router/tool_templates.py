@@ -1,7 +1,7 @@
 """Which chat template renders a chat that involves tools, and which parser reads the calls.
 
 A chat involves tools when it sends ``tools`` (with a ``tool_choice`` other than ``none``) or
-holds earlier calls (an assistant message's ``tool_calls``) or results (``role: "tool"``). It is
+holds earlier calls (an assistant message's ``tool_calls``, which its results follow). It is
 rendered, in this order of preference, with:
 
 1. the template file given by ``--tool-chat-template`` (vLLM's ``--chat-template`` for tools);
@@ -57,7 +57,7 @@ class ToolTemplates:
         Raises:
             OpenAIError: 400 on ``tools`` when the chat involves tools and no template renders them.
         """
-        involves = has_tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        involves = has_tools or any(m.get("tool_calls") for m in messages)
         if not involves or (self.template is None and self.model_renders_tools):
             return None
         if self.template is None:

@@ -302,6 +302,7 @@ json_leaf = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
 )
 junk = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
 
 
 def bodies(mode: str):
@@ -350,6 +351,13 @@ def bodies(mode: str):
         "prompt_logprobs": field(st.integers(0, 5), st.integers(-1, 25)),
     }
     if mode != "valid":
+        common["structured_outputs"] = field(
+            st.one_of(st.fixed_dictionaries({"choice": st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)}),
+                      st.fixed_dictionaries({"regex": st.sampled_from(["[a-c]{1,4}", "(x|y)+z?", "[0-9]{2}"])})),
+            st.one_of(junk, st.fixed_dictionaries({"regex": st.text(max_size=6)}), st.fixed_dictionaries({"grammar": st.text(max_size=12)})),
+        )
+        common["guided_json"] = field(st.just({"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}), junk)
+    if mode != "valid":
         common["stream_options"] = field(st.fixed_dictionaries({"include_usage": field(st.booleans())}))
     completion_extra = {"echo": field(st.booleans()), "logprobs": field(st.integers(0, 5), st.integers(-1, 25))}
     if mode != "valid":
@@ -375,8 +383,15 @@ def bodies(mode: str):
             "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(-1, 25)),
             "continue_final_message": field(st.booleans()),
             "chat_template_kwargs": field(st.dictionaries(st.text(max_size=5), json_leaf, max_size=2)),
-            "tools": field(st.lists(junk, max_size=1)),
-            "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "json_object"])})),
+            "tools": field(st.just([TOOL]), st.lists(st.one_of(junk, st.just(TOOL)), max_size=2)),
+            "tool_choice": field(
+                st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+                st.one_of(junk, st.just({"type": "function", "function": {"name": "g"}})),
+            ),
+            "response_format": field(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "text", "json_object"])}),
+                st.one_of(junk, st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "xml"]), "json_schema": junk})),
+            ),
         }
     chat = st.fixed_dictionaries(
         {"messages": field(st.lists(message, min_size=1, max_size=3), st.lists(message, max_size=3)), "max_tokens": tokens},
