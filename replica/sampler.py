@@ -279,10 +279,15 @@ class Sampler:
         """
         num_rows, vocab = logits.shape
         assert num_rows == len(requests), f"{num_rows} logit rows for {len(requests)} requests"
-        if all(_plain_greedy(r) for r in requests):
+        plain = [_plain_greedy(r) for r in requests]
+        if all(plain):
             # The same tokens as the full path below, which takes argmax of the float32 logits.
             token_list = greedy_argmax(logits).tolist()
             return SamplerOutput(token_ids=token_list, logprobs=[None] * num_rows)
+        if any(plain):
+            # Plain greedy rows keep the fast argmax; only the others pay for float32 copies
+            # (a constrained or biased neighbour costs them nothing).
+            return self._split(logits, requests, plain)
         device = logits.device
         raw = logits.float()
         work = raw
@@ -321,6 +326,22 @@ class Sampler:
 
         token_list = token_ids.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids))
+
+    def _split(self, logits: torch.Tensor, requests: Sequence[Request], plain: list[bool]) -> SamplerOutput:
+        """Sample plain greedy rows (``plain[i]``) with :func:`greedy_argmax` and the rest with the
+        full pipeline; the same tokens as the full pipeline over all rows."""
+        fast = [i for i, p in enumerate(plain) if p]
+        rest = [i for i, p in enumerate(plain) if not p]
+        device = logits.device
+        fast_ids = greedy_argmax(logits.index_select(0, torch.tensor(fast, device=device))).tolist()
+        full = self(logits.index_select(0, torch.tensor(rest, device=device)), [requests[i] for i in rest])
+        token_ids: list[int] = [0] * len(requests)
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        for i, t in zip(fast, fast_ids):
+            token_ids[i] = t
+        for i, t, lp in zip(rest, full.token_ids, full.logprobs):
+            token_ids[i], logprobs[i] = t, lp
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -210,6 +210,7 @@ def profile(
     compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
     top: int = typer.Option(8, min=1, help="Operators listed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    constrained_requests: int = typer.Option(0, min=0, help="The first N requests are JSON-constrained (same lengths)."),
 ) -> None:
     """Where a step's time goes: milliseconds per step by phase and by operator (torch profiler)."""
     from cluster.bench.profile import profile_main
@@ -218,7 +219,7 @@ def profile(
         profile_main(
             model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, num_requests=num_requests, skip=skip,
             steps=steps, threads=threads, attention_backend=attention_backend, compile=compile, top=top,
-            json_path=json_path,
+            json_path=json_path, constrained_requests=constrained_requests,
         )
     except ValueError as exc:
         _fail(str(exc))

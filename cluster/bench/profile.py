@@ -17,7 +17,7 @@ from pathlib import Path
 from cluster.bench import workloads as wl
 
 PHASES = ("carpool.schedule", "carpool.prepare_inputs", "carpool.forward", "carpool.sample",
-          "carpool.update", "carpool.detokenize")
+          "carpool.grammar_masks", "carpool.update", "carpool.detokenize")
 
 
 def profile_main(
@@ -34,9 +34,14 @@ def profile_main(
     compile: bool = True,
     attention_backend: str = "auto",
     json_path: str | Path | None = None,
+    constrained_requests: int = 0,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
+
+    ``constrained_requests``: the first N requests are constrained by
+    :data:`~cluster.bench.workloads.ENDLESS_JSON` (same lengths); ``grammar_masks`` (part of
+    ``sample``) is then their masks' cost.
 
     Raises ``ValueError`` if the workload ends before ``skip + steps`` steps.
     """
@@ -51,9 +56,10 @@ def profile_main(
     engine = llm.engine
     requests = wl.seed_mix(num_requests)
     wl.tokenize(requests, llm.tokenizer)
-    for r in requests:
-        engine.add_request(None, prompt_token_ids=r.prompt_token_ids,
-                           sampling_params=SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+    for i, r in enumerate(requests):
+        constraint = {"json": wl.ENDLESS_JSON} if i < constrained_requests else None
+        engine.add_request(None, prompt_token_ids=r.prompt_token_ids, sampling_params=SamplingParams(
+            temperature=0, max_tokens=r.max_tokens, ignore_eos=True, structured_outputs=constraint))
     for _ in range(skip):
         engine.step()
     running = engine.scheduler.num_running
