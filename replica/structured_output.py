@@ -28,10 +28,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # torch and NumPy load where masks are applied (the sampler), not with the
+    import torch   # request types: the scheduler and the ingress stay free of torch
 
 DEAD_END = "structured output dead end: no token can continue the constraint"
 """``stop_reason`` of a constrained request that ended because no allowed token could be sampled."""
@@ -147,13 +147,17 @@ class Grammar:
         matcher: a fresh ``llguidance.LLMatcher`` (nothing consumed yet).
     """
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "dead_end")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        self.dead_end = False  # the last mask left no token with a finite logit
 
     def accept(self, token_id: int) -> bool:
-        """Advance over a sampled token; False if the constraint does not allow it (a dead end)."""
+        """Advance over a sampled token; False if the constraint does not allow it, or if no token
+        could be sampled (a dead end: whatever token the sampler returned is not taken)."""
+        if self.dead_end:
+            return False
         return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
 
     @property
@@ -245,6 +249,9 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
     is token ``t``), about 10x faster than shifting int32 words with torch; on other devices the
     packed mask is copied over (32x smaller) and unpacked there with shifts.
     """
+    import numpy as np
+    import torch
+
     if torch.device(device).type == "cpu":
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits == 0)
@@ -262,7 +269,8 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
             has no ``grammar`` are not touched.
         requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
     Returns:
-        The constrained rows, in order.
+        The constrained rows, in order. A row left without any finite logit marks its grammar
+        ``dead_end`` (its request then ends with :data:`DEAD_END`).
 
     The bitmasks are filled on the CPU (llguidance computes them there) and unpacked by
     :func:`forbidden_tokens`, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is
@@ -271,14 +279,21 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return rows
+    import torch
+
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, k)
     forbidden = forbidden_tokens(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:
-        logits.masked_fill_(forbidden, float("-inf"))
-        return rows
-    index = torch.tensor(rows, device=logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(forbidden, float("-inf")))
+        masked = logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
+        logits.index_copy_(0, index, masked)
+    # A row with no finite logit left (the constraint's tokens all banned by min_tokens or
+    # stop_token_ids) cannot sample: its request ends as a dead end, whatever token comes out.
+    for k in (masked == float("-inf")).all(dim=-1).nonzero().flatten().tolist():
+        requests[rows[k]].grammar.dead_end = True
     return rows
