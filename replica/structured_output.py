@@ -98,7 +98,7 @@ class StructuredOutputsParams:
         if self.kind == "json" and isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         return self.kind + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"))
 
@@ -116,7 +116,7 @@ class StructuredOutputsParams:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
@@ -229,8 +229,13 @@ class GrammarCompiler:
             grammar = params.to_grammar()
             template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
             error = template.get_error()
+            if not error:  # a first mask: limits and empty grammars fail here, not mid-request
+                trial = template.deep_copy()
+                trial.compute_bitmask()
+                error = trial.get_error()
             if error:
-                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {error}")
+                reason = error.split("<state>")[0].strip()[:500]  # llguidance appends its parser state
+                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {reason}")
             with self._lock:
                 self._cache[key] = template
                 while len(self._cache) > self.cache_size:

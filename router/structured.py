@@ -56,15 +56,22 @@ def _build(param: str, **fields: Any) -> StructuredOutputsParams:
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:
-    """A JSON schema given as an object or as its JSON text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise _refuse(param, f"not valid JSON: {exc}") from None
+    """A JSON schema given as an object or as its JSON text: standard JSON only (no NaN or
+    Infinity, which Python's parser would take), nested at most as deep as Python can walk."""
+    try:
+        if isinstance(value, str):
+            value = json.loads(value, parse_constant=_no_constant)
+        json.dumps(value, allow_nan=False)
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise _refuse(param, f"not valid JSON: {reason}") from None
     if not isinstance(value, dict):
         raise _refuse(param, f"must be a JSON schema (an object), got {type(value).__name__}")
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _response_format(value: Any) -> tuple[StructuredOutputsParams | None, str]:
@@ -167,6 +174,8 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
         names.add(name)
         if "parameters" in function and function["parameters"] is not None:
             schema = _schema(function["parameters"], f"{param}.function.parameters")
+            if schema.get("type", "object") != "object":
+                raise _refuse(f"{param}.function.parameters", "must be a JSON schema of an object (arguments are named)")
             _checked(_build(f"{param}.function.parameters", json=schema), f"{param}.function.parameters")
             if schema is not function["parameters"]:  # given as JSON text: the template shows the object
                 tools = [*tools[:i], {**tool, "function": {**function, "parameters": schema}}, *tools[i + 1 :]]

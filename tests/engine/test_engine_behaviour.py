@@ -173,7 +173,8 @@ def test_streamed_deltas_never_contain_the_stop_string(llm, base, async_engine):
     assert all(stop not in d.new_text for d in deltas)
     assert "".join(d.new_text for d in deltas) == text[: b - 2]
     assert [t for d in deltas for t in d.new_token_ids] == tokens[: i + 1]
-    assert [d.finished for d in deltas] == [False] * i + [True]
+    # One delta per token, or fewer when the consumer falls behind (queued deltas come merged).
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True] and len(deltas) <= i + 1
     last = deltas[-1]
     assert last.finish_reason == "stop" and last.stop_reason == stop and last.num_output_tokens == i + 1
     # Without a stop string, the same deltas are the plain text; with include_stop_str_in_output
