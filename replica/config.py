@@ -82,6 +82,14 @@ class EngineConfig(BaseModel):
             "on disk. False runs eagerly (vLLM's enforce_eager)."
         ),
     )
+    cuda_graphs: bool = Field(
+        True,
+        description=(
+            "CUDA with compile only: capture decode-only steps as CUDA graphs at start (batch sizes "
+            "2, 4, 8, then multiples of 8 up to max_num_seqs) and replay them; False launches every "
+            "kernel of every step."
+        ),
+    )
     enable_prefix_caching: bool = Field(
         True,
         description=(

@@ -55,8 +55,9 @@ def decode_attention(
 def decode_step_attention(query, key, value, key_cache, value_cache, decode, scale: float) -> torch.Tensor:
     """A decode-only step's attention, traced into the compiled layers (see ``DecodeStep``):
     Carpool's CPU kernel when it is built (:mod:`replica.cpu_kernels`; it writes the new K/V
-    itself), else the cache write and :func:`decode_attention` (fused by inductor)."""
-    if cpu_kernels.available():
+    itself) on CPU, else the cache write and :func:`decode_attention` (fused by inductor; on CUDA,
+    in the decode steps that :mod:`replica.cuda_graphs` replays)."""
+    if cpu_kernels.available() and query.device.type == "cpu":
         return torch.ops.carpool_cpu.decode_attention(
             query, key, value, key_cache, value_cache, decode.slot_mapping, decode.block_tables,
             decode.seq_lens, decode.block_size, scale,

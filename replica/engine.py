@@ -87,6 +87,7 @@ class LLMEngine:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             attention_backend=cfg.attention_backend,
             compile=cfg.compile,
+            cuda_graphs=cfg.cuda_graphs,
         )
         pool_tokens = self.runner.num_blocks * cfg.block_size
         context = self.runner.shape.max_position_embeddings or pool_tokens

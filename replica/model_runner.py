@@ -1,6 +1,7 @@
 """Scheduler output → flat tensors → one forward of a transformers model → sampled tokens.
 
-The only engine module that builds tensors. Per step it gathers the step's flat inputs from the
+With its helpers (:mod:`replica.warm_up`, :mod:`replica.cuda_graphs`), the only engine module that
+builds tensors. Per step it gathers the step's flat inputs from the
 persistent batch (:mod:`replica.input_batch`: ``input_ids``, ``positions``, ``slot_mapping``, each
 ``[num_tokens]``, one host-to-device copy), lets the attention backend plan the step once
 (:mod:`replica.attention_backends`), runs the model once with our paged attention, computes logits
@@ -9,13 +10,13 @@ only at the positions that sample (``logits_to_keep``), and samples.
 Fast paths (:mod:`replica.compilation`): on CPU in bfloat16/float16 the linear layers use
 oneDNN-prepacked weights and every step is padded to a few token counts
 (:func:`replica.shapes.padded_size`); with ``compile`` (the default) the decoder layers are
-compiled with torch.compile. ``compile=False`` runs the same model eagerly.
+compiled with torch.compile. ``compile=False`` runs the same model eagerly. On CUDA, decode-only
+steps replay CUDA graphs (:mod:`replica.cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch.profiler import record_function
 from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
 from replica.attention_backends import CpuBackend, ReferenceBackend
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
+from replica.cuda_graphs import DecodeGraphs
 from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block
 from replica.logprobs import token_logprobs
@@ -91,6 +93,8 @@ class ModelRunner:
             :meth:`_decide_num_blocks`).
         attention_backend: ``auto`` (the device's fast backend), ``reference``, ``cpu`` or ``cuda``.
         compile: torch.compile the decoder layers (see :mod:`replica.compilation`).
+        cuda_graphs: on CUDA with ``compile``, replay decode-only steps from CUDA graphs
+            (:mod:`replica.cuda_graphs`).
     Raises:
         ValueError: an unknown or unavailable attention backend.
     """
@@ -107,6 +111,7 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         compile: bool = False,
+        cuda_graphs: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
@@ -144,6 +149,8 @@ class ModelRunner:
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None
+        self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
 
     def _make_backend(self, name: str):
         if name not in ATTENTION_BACKENDS:
@@ -181,6 +188,25 @@ class ModelRunner:
     def init_batch(self, max_num_seqs: int, max_model_len: int) -> None:
         """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens)."""
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot)
+        if self.use_cuda_graphs:
+            self.enable_decode_graphs(capture=True)
+
+    def enable_decode_graphs(self, *, capture: bool) -> None:
+        """Run decode-only steps through :class:`DecodeGraphs` (after :meth:`init_batch`); with
+        ``capture=False`` (any device) the padded static-buffer path runs without CUDA graphs."""
+        batch = self.input_batch
+        self.graphs = DecodeGraphs(
+            self._graph_forward, max_num_seqs=batch.block_table.shape[0], max_blocks=batch.block_table.shape[1],
+            block_size=self.block_size, spare_block=self.num_blocks, device=self.device, capture=capture,
+        )
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, decode: DecodeStep) -> torch.Tensor:
+        """A decode step's logits ``[B, vocab]`` with attention traced into the decoder."""
+        with running_step(self.backend):
+            out = self.model(
+                input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=0, carpool_decode=decode
+            )
+        return out.logits[0]
 
     def forget(self, request_id: str) -> None:
         """The request left the running batch (finished, aborted or preempted)."""
@@ -217,74 +243,12 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:
         """Do at engine start what would otherwise slow the first requests down or grow memory
-        while serving; returns what it did (counts and seconds).
+        while serving (:func:`replica.warm_up.warm_up`); returns what it did (counts and seconds)."""
+        from replica.warm_up import warm_up
 
-        * With step padding: run every distinct linear layer once at every padded step size, so
-          that oneDNN builds all its matmul primitives now (about 1 ms each): every
-          :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
-          model, up to ``max_num_seqs`` rows for the output embedding.
-        * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
-          graphs of the compiled decoder are compiled (or loaded from the compile cache) before
-          the first request.
-        """
-        report: dict[str, float] = {}
-        if self.pad_steps:
-            started = time.perf_counter()
-            report["matmuls"] = self._warm_up_matmuls(max_num_batched_tokens, max_num_seqs)
-            report["matmuls_s"] = time.perf_counter() - started
-        if self.compiled:
-            started = time.perf_counter()
-            for query_lens in ([1, 1], [2, 1], [1, 1, 1], [2, 1, 1]):
-                self._dummy_step(query_lens, len(query_lens))
-            report["compile_s"] = time.perf_counter() - started
-        return report
+        return warm_up(self, max_num_batched_tokens, max_num_seqs)
 
-    def _warm_up_matmuls(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        output = self.model.get_output_embeddings()
-        layers: dict[tuple, torch.nn.Linear] = {}
-        for module in self.model.modules():
-            if isinstance(module, torch.nn.Linear) and module is not output:
-                key = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype)
-                layers.setdefault(key, module)
-        token_sizes = sorted({padded_size(n) for n in range(1, max_num_batched_tokens + 1)})
-        row_sizes = sorted({padded_size(n) for n in range(1, max_num_seqs + 1)})
-        runs = 0
-        for layer, sizes in [*((layer, token_sizes) for layer in layers.values()), (output, row_sizes)]:
-            for size in sizes:
-                layer(torch.zeros(1, size, layer.in_features, dtype=layer.weight.dtype, device=self.device))
-                runs += 1
-        return runs
-
-    def _dummy_step(self, query_lens: list[int], width: int) -> None:
-        """One forward of sequences of ``query_lens`` tokens over ``width``-block tables, all on
-        the spare block (written and read only by padding)."""
-        from replica.attention import StepSequences
-
-        counts = np.array(query_lens, dtype=np.int64)
-        n = int(counts.sum())
-        seq_lens = counts + (width - 1) * self.block_size
-        step = StepSequences(
-            query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            query_lens=counts,
-            context_lens=seq_lens - counts,
-            seq_lens=seq_lens,
-            block_tables=np.full((len(counts), width), self.num_blocks, dtype=np.int64),
-            slot_mapping=np.full(n, self.padding_slot, dtype=np.int64),
-            num_tokens=n,
-        )
-        extra = {}
-        if self.backend.inline_decode and (counts == 1).all():
-            extra["carpool_decode"] = DecodeStep(*to_device(self._decode_arrays(step), self.device), block_size=self.block_size)
-        else:
-            self.backend.plan(step)
-        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        positions = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        if self.compiled:
-            mark_step_dynamic(ids, positions, extra.get("carpool_decode"))
-        with running_step(self.backend):
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **extra)
-
-    def _decode_arrays(self, seqs) -> list[np.ndarray]:
+    def decode_arrays(self, seqs) -> list[np.ndarray]:
         """A decode-only step's attention inputs, padding tokens as one-token sequences on the spare block."""
         num_real = seqs.num_seqs
         extra = seqs.num_tokens - num_real
@@ -306,9 +270,22 @@ class ModelRunner:
             inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens)
             seqs = inputs.sequences
             arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
-            decode_only = self.compiled and self.backend.inline_decode and bool((seqs.query_lens == 1).all())
+            all_decodes = bool((seqs.query_lens == 1).all())
+            graphed = (
+                self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs
+                and not inputs.prompt_spans and self.graphs.bucket(seqs.num_seqs, seqs.block_tables.shape[1]) is not None
+            )
+        if graphed:
+            with record_function("carpool.forward"):
+                n = seqs.num_seqs
+                logits = self.graphs.run(
+                    inputs.input_ids[:n], inputs.positions[:n], seqs.slot_mapping[:n], seqs.block_tables, seqs.seq_lens
+                )
+            return self._sample(out, inputs, logits)
+        with record_function("carpool.prepare_inputs"):
+            decode_only = self.compiled and self.backend.inline_decode and all_decodes
             if decode_only:
-                arrays += self._decode_arrays(seqs)
+                arrays += self.decode_arrays(seqs)
             else:
                 self.backend.plan(seqs)
             input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
@@ -320,9 +297,6 @@ class ModelRunner:
             extra["carpool_decode"] = DecodeStep(*decode, block_size=self.block_size)
         if self.compiled:
             mark_step_dynamic(input_ids, positions, extra.get("carpool_decode"))
-        sample_rows = inputs.sample_rows
-        num_real_rows = len(sample_rows)
-        result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
         with running_step(self.backend), record_function("carpool.forward"):
             logits = self.model(
                 input_ids=input_ids,
@@ -331,6 +305,14 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
                 **extra,
             ).logits[0]  # [num_logits_rows, vocab]
+        return self._sample(out, inputs, logits)
+
+    def _sample(self, out: SchedulerOutput, inputs, logits: torch.Tensor) -> StepResult:
+        """Sample the step's sampling rows and score its prompt rows from ``logits``
+        ``[num_logits_rows, vocab]`` (sampling rows first, then prompt rows, then padding)."""
+        sample_rows = inputs.sample_rows
+        num_real_rows = len(sample_rows)
+        result = StepResult([None] * len(out.scheduled), [None] * len(out.scheduled))
         if inputs.prompt_spans:
             with record_function("carpool.prompt_logprobs"):
                 self._score_prompts(out, inputs, logits[num_real_rows : num_real_rows + inputs.num_prompt_rows], result)

@@ -35,6 +35,7 @@ def profile_main(
     attention_backend: str = "auto",
     json_path: str | Path | None = None,
     constrained_requests: int = 0,
+    cuda_graphs: bool = True,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
@@ -51,7 +52,10 @@ def profile_main(
 
     if threads:
         torch.set_num_threads(threads)
-    kwargs = dict(dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend)
+    kwargs = dict(
+        dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+    )
     llm = LLM(**({"model": model} if model else {}), **kwargs)
     engine = llm.engine
     requests = wl.seed_mix(num_requests)

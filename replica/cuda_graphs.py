@@ -1,0 +1,211 @@
+"""CUDA graphs for decode-only steps: one launch replays a whole captured step.
+
+Why: on a GPU the compiled decoder still launches a few hundred kernels per step, and on the H200
+the host spent about 16 ms of a 26 ms 8B decode step launching them (docs/bench/gpu-h200.md). A
+CUDA graph captured once replays all of a step's kernels with one launch. This is what vLLM's and
+SGLang's CUDA graph runners do for decode batches; :class:`DecodeGraphs` is Carpool's.
+
+How:
+
+* **Buckets.** A graph is captured per (batch size, block-table width). Batch sizes are 2, 4, 8,
+  then every multiple of 8 up to ``max_num_seqs`` (vLLM's capture sizes; at most
+  :data:`MAX_GRAPH_BATCH`); widths are powers of two blocks up to the width of ``max_model_len``.
+  A step of ``n`` decodes whose longest block table has ``w`` blocks replays the smallest graph that
+  holds both. Padding rows are one-token sequences on the spare block (they write and read only the
+  padding slot); padding columns point at the spare block and lie past every real sequence's
+  length, so attention masks them out. Sizes start at 2 because the compiled decoder is compiled for
+  sizes of 2 and more (:mod:`replica.compilation`).
+* **Static inputs.** A graph reads its inputs from device buffers that live as long as the graphs
+  (token ids, positions, slot mapping, sequence lengths, block tables). A step writes its values into
+  one pinned host buffer and copies each part into place, then replays. The graph's logits
+  ``[batch, vocab]`` are a tensor of the graph's memory pool, valid until the next replay.
+* **Attention inside the graph** is the decode attention traced into the compiled decoder
+  (:class:`replica.attention.DecodeStep`, fused by inductor), which reads only those buffers. The
+  backend's opaque op plans each step in Python, which a replay would not repeat, so steps with a
+  prefill chunk run without a graph.
+* Graphs share one memory pool and are captured from the largest down, so that the smaller ones
+  reuse the largest one's memory. Each shape runs once before its capture, so that nothing is
+  compiled or loaded during capture.
+
+With ``capture=False`` the same padded, static-buffer path runs without capturing anything. That is
+how the CPU tests check the bucketing, the padding and the buffers against the plain path; on a
+CUDA device the model runner always captures.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from replica.attention import DecodeStep
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 512
+
+# forward(input_ids [1, B], positions [1, B], decode) -> logits [B, vocab]
+GraphForward = Callable[[torch.Tensor, torch.Tensor, DecodeStep], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for: 2, 4, 8, then multiples of 8, up to
+    ``min(max_num_seqs, MAX_GRAPH_BATCH)`` (always included; at least 2)."""
+    cap = max(2, min(max_num_seqs, MAX_GRAPH_BATCH))
+    return sorted({s for s in (2, 4, 8, *range(16, cap + 1, 8)) if s <= cap} | {cap})
+
+
+def graph_widths(max_blocks: int) -> list[int]:
+    """The block-table widths (blocks) graphs are captured for: powers of two from 2, up to
+    ``max_blocks`` (always included; at least 2)."""
+    cap = max(2, max_blocks)
+    widths = {cap}
+    w = 2
+    while w < cap:
+        widths.add(w)
+        w *= 2
+    return sorted(widths)
+
+
+class DecodeGraphs:
+    """Captured decode steps, one per (batch size, width) bucket (see the module docstring).
+
+    Args:
+        forward: runs the model's decode step on the given inputs and returns logits
+            ``[B, vocab]`` (no host synchronization inside).
+        max_num_seqs: the engine's seats; larger batches run without a graph.
+        max_blocks: blocks of the longest request (``ceil(max_model_len / block_size)``).
+        block_size: tokens per KV block.
+        spare_block: the block that padding uses (no block table holds it).
+        device: the model's device.
+        capture: capture CUDA graphs (CUDA only); False runs the same path eagerly.
+    """
+
+    def __init__(
+        self,
+        forward: GraphForward,
+        *,
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        spare_block: int,
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.forward = forward
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.widths = graph_widths(max_blocks)
+        self.block_size = block_size
+        self.spare_block = spare_block
+        self.padding_slot = spare_block * block_size
+        self.device = device
+        self.capture_graphs = capture
+        max_bs, max_w = self.sizes[-1], self.widths[-1]
+        self._ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self._slots = torch.full((max_bs,), self.padding_slot, dtype=torch.int64, device=device)
+        self._lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        self._tables = torch.full((max_bs * max_w,), spare_block, dtype=torch.int64, device=device)
+        self._host = torch.empty(4 * max_bs + max_bs * max_w, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.steps_run = 0  # decode steps this object ran (replayed, with capture)
+
+    @property
+    def num_captured(self) -> int:
+        return sum(graph is not None for graph, _ in self._graphs.values())
+
+    def bucket(self, num_seqs: int, width: int) -> tuple[int, int] | None:
+        """The (batch size, width) graph for ``num_seqs`` decodes over ``width`` blocks, or None if
+        the step is larger than every graph."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        j = bisect.bisect_left(self.widths, width)
+        if i == len(self.sizes) or j == len(self.widths):
+            return None
+        return self.sizes[i], self.widths[j]
+
+    def _inputs(self, bs: int, w: int) -> tuple[torch.Tensor, torch.Tensor, DecodeStep]:
+        """Views of the static buffers for the (bs, w) graph: contiguous, at offset 0."""
+        decode = DecodeStep(self._slots[:bs], self._tables[: bs * w].view(bs, w), self._lens[:bs], self.block_size)
+        return self._ids[:bs].view(1, bs), self._positions[:bs].view(1, bs), decode
+
+    def _load(self, bs: int, w: int, ids, positions, slots, tables, lens) -> None:
+        """Write one step's inputs (``n`` real rows, padded to ``bs`` rows and ``w`` columns) into
+        the static buffers: one pinned host buffer, one copy per buffer."""
+        n, width = tables.shape
+        host = self._host.numpy()
+        parts = []
+        offset = 0
+        for buffer, values, pad, size in (
+            (self._ids, ids, 0, bs),
+            (self._positions, positions, 0, bs),
+            (self._slots, slots, self.padding_slot, bs),
+            (self._lens, lens, 1, bs),
+        ):
+            view = host[offset : offset + size]
+            view[:n] = values[:n]
+            view[n:] = pad
+            parts.append((buffer, offset, size))
+            offset += size
+        grid = host[offset : offset + bs * w].reshape(bs, w)
+        grid.fill(self.spare_block)
+        grid[:n, :width] = tables
+        parts.append((self._tables, offset, bs * w))
+        for buffer, start, size in parts:
+            buffer[:size].copy_(self._host[start : start + size], non_blocking=True)
+
+    def _capture(self, bs: int, w: int) -> None:
+        ids, positions, decode = self._inputs(bs, w)
+        from replica.compilation import mark_step_dynamic
+
+        mark_step_dynamic(ids, positions, decode)
+        self.forward(ids, positions, decode)  # compiles or loads every kernel outside the capture
+        if not self.capture_graphs:
+            self._graphs[(bs, w)] = (None, None)
+            return
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(ids, positions, decode)
+        self._graphs[(bs, w)] = (graph, logits)
+
+    def capture_all(self) -> dict[str, float]:
+        """Capture every bucket, largest first (at engine start); returns the count and seconds.
+
+        Padding values fill the buffers, so the warm-up forwards touch only the spare block."""
+        started = time.perf_counter()
+        for bs in reversed(self.sizes):
+            for w in reversed(self.widths):
+                none = np.zeros(0, dtype=np.int64)
+                self._load(bs, w, none, none, none, none.reshape(0, 0), none)
+                self._capture(bs, w)
+        if self.capture_graphs:
+            torch.cuda.synchronize(self.device)
+        return {"cuda_graphs": self.num_captured, "cuda_graphs_s": time.perf_counter() - started}
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
+            lens: np.ndarray) -> torch.Tensor:
+        """One decode step of ``n`` sequences: ``ids``, ``positions``, ``slots``, ``lens`` ``[n]``
+        (int64), ``tables`` ``[n, width]``. Returns logits ``[n, vocab]``, valid until the next
+        call. Raises ``ValueError`` if no graph holds the step (check :meth:`bucket` first)."""
+        n, width = tables.shape
+        key = self.bucket(n, width)
+        if key is None:
+            raise ValueError(f"no decode graph holds {n} sequences over {width} blocks")
+        bs, w = key
+        self._load(bs, w, ids, positions, slots, tables, lens)
+        if key not in self._graphs:  # not captured at start (capture_all was not called)
+            self._capture(bs, w)  # its warm-up forward writes the same K/V that the replay writes
+        graph, logits = self._graphs[key]
+        self.steps_run += 1
+        if graph is None:
+            inputs = self._inputs(bs, w)
+            return self.forward(*inputs)[:n]
+        graph.replay()
+        return logits[:n]
