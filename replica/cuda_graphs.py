@@ -9,23 +9,26 @@ How:
 
 * **Buckets.** A graph is captured per (batch size, block-table width). Batch sizes are 2, 4, 8,
   then every multiple of 8 up to ``max_num_seqs`` (vLLM's capture sizes; at most
-  :data:`MAX_GRAPH_BATCH`); widths are powers of two blocks up to the width of ``max_model_len``.
-  A step of ``n`` decodes whose longest block table has ``w`` blocks replays the smallest graph that
-  holds both. Padding rows are one-token sequences on the spare block (they write and read only the
-  padding slot); padding columns point at the spare block and lie past every real sequence's
-  length, so attention masks them out. Sizes start at 2 because the compiled decoder is compiled for
-  sizes of 2 and more (:mod:`replica.compilation`).
-* **Static inputs.** A graph reads its inputs from device buffers that live as long as the graphs
-  (token ids, positions, slot mapping, sequence lengths, block tables). A step writes its values into
-  one pinned host buffer and copies each part into place, then replays. The graph's logits
-  ``[batch, vocab]`` are a tensor of the graph's memory pool, valid until the next replay.
+  :data:`MAX_GRAPH_BATCH`); widths are powers of two blocks up to the width of ``max_model_len``
+  or of :data:`MAX_GRAPH_CONTEXT` tokens, whichever is less. A step of ``n`` decodes whose longest
+  block table has ``w`` blocks replays the smallest graph that holds both; a larger step runs
+  without a graph. Padding rows are one-token sequences on the spare block (they write and read
+  only the padding slot); padding columns point at the spare block and lie past every real
+  sequence's length, so attention masks them out. Sizes start at 2 because the compiled decoder
+  is compiled for sizes of 2 and more (:mod:`replica.compilation`).
+* **Static inputs and output.** A graph reads its inputs from device buffers that live as long as
+  the graphs (token ids, positions, slot mapping, sequence lengths, block tables) and writes its
+  logits into one static ``[max batch, vocab]`` buffer. A step writes its values into one pinned
+  host buffer (after the previous step's copies are done with it) and copies each part into
+  place, then replays; the logits are valid until the next replay.
 * **Attention inside the graph** is the decode attention traced into the compiled decoder
   (:class:`replica.attention.DecodeStep`, fused by inductor), which reads only those buffers. The
   backend's opaque op plans each step in Python, which a replay would not repeat, so steps with a
   prefill chunk run without a graph.
-* Graphs share one memory pool and are captured from the largest down, so that the smaller ones
-  reuse the largest one's memory. Each shape runs once before its capture, so that nothing is
-  compiled or loaded during capture.
+* **Capture.** Each shape first runs once on the capturing stream, so that nothing is compiled or
+  loaded during capture; graphs are captured from the largest down into one memory pool, so that
+  the smaller ones reuse the largest one's memory. The KV cache leaves room for that pool
+  (:func:`graph_memory_reserve`).
 
 With ``capture=False`` the same padded, static-buffer path runs without capturing anything. That is
 how the CPU tests check the bucketing, the padding and the buffers against the plain path; on a
@@ -47,6 +50,9 @@ from replica.attention import DecodeStep
 logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
+MAX_GRAPH_CONTEXT = 2048
+"""Tokens: graphs cover block tables up to this length. The traced decode attention scans a graph's
+whole width for every row, so past it a step runs without a graph, on the backend's kernels."""
 
 # forward(input_ids [1, B], positions [1, B], decode) -> logits [B, vocab]
 GraphForward = Callable[[torch.Tensor, torch.Tensor, DecodeStep], torch.Tensor]
@@ -69,6 +75,16 @@ def graph_widths(max_blocks: int) -> list[int]:
         widths.add(w)
         w *= 2
     return sorted(widths)
+
+
+def graph_memory_reserve(max_num_seqs: int, max_model_len: int, num_heads: int, vocab_size: int) -> int:
+    """Bytes to keep free of the KV cache for the graphs' memory pool (an estimate): the static
+    logits ``[B, vocab]`` in float32, and the largest graph's float32 attention scores and
+    probabilities ``[B, context, heads]`` (inductor materializes them), plus 64 MiB for the rest
+    of its activations. ``B`` is the largest graph batch."""
+    batch = graph_batch_sizes(max_num_seqs)[-1]
+    context = min(max_model_len, MAX_GRAPH_CONTEXT)
+    return batch * (vocab_size * 4 + 2 * context * num_heads * 4) + (64 << 20)
 
 
 class DecodeGraphs:
@@ -100,26 +116,30 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.forward = forward
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.widths = graph_widths(max_blocks)
+        self.widths = graph_widths(min(max_blocks, -(-MAX_GRAPH_CONTEXT // block_size)))
         self.block_size = block_size
         self.spare_block = spare_block
         self.padding_slot = spare_block * block_size
         self.device = device
         self.capture_graphs = capture
         max_bs, max_w = self.sizes[-1], self.widths[-1]
-        self._ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self._slots = torch.full((max_bs,), self.padding_slot, dtype=torch.int64, device=device)
-        self._lens = torch.ones(max_bs, dtype=torch.int64, device=device)
-        self._tables = torch.full((max_bs * max_w,), spare_block, dtype=torch.int64, device=device)
-        self._host = torch.empty(4 * max_bs + max_bs * max_w, dtype=torch.int64, pin_memory=device.type == "cuda")
+        with torch.inference_mode():  # as the forwards' tensors, so the compiled decoder's guards hold
+            self._ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self._positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self._slots = torch.full((max_bs,), self.padding_slot, dtype=torch.int64, device=device)
+            self._lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+            self._tables = torch.full((max_bs * max_w,), spare_block, dtype=torch.int64, device=device)
+        self._host = torch.empty(4 * max_bs + max_bs * max_w, dtype=torch.int64, pin_memory=capture)
+        self._logits: torch.Tensor | None = None  # [max_bs, vocab], every graph's output (with capture)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._stream = torch.cuda.Stream(device) if capture else None
+        self._copied = torch.cuda.Event() if capture else None  # the pinned buffer's last copies
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self.steps_run = 0  # decode steps this object ran (replayed, with capture)
 
     @property
     def num_captured(self) -> int:
-        return sum(graph is not None for graph, _ in self._graphs.values())
+        return sum(graph is not None for graph in self._graphs.values())
 
     def bucket(self, num_seqs: int, width: int) -> tuple[int, int] | None:
         """The (batch size, width) graph for ``num_seqs`` decodes over ``width`` blocks, or None if
@@ -139,6 +159,8 @@ class DecodeGraphs:
         """Write one step's inputs (``n`` real rows, padded to ``bs`` rows and ``w`` columns) into
         the static buffers: one pinned host buffer, one copy per buffer."""
         n, width = tables.shape
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the pinned buffer
         host = self._host.numpy()
         parts = []
         offset = 0
@@ -159,22 +181,37 @@ class DecodeGraphs:
         parts.append((self._tables, offset, bs * w))
         for buffer, start, size in parts:
             buffer[:size].copy_(self._host[start : start + size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _capture(self, bs: int, w: int) -> None:
-        ids, positions, decode = self._inputs(bs, w)
+        """Warm the (bs, w) graph's shape up (compiling or loading its kernels), then capture it on
+        this object's stream into the shared pool; without capture, only the warm-up."""
         from replica.compilation import mark_step_dynamic
 
+        ids, positions, decode = self._inputs(bs, w)
         mark_step_dynamic(ids, positions, decode)
-        self.forward(ids, positions, decode)  # compiles or loads every kernel outside the capture
         if not self.capture_graphs:
-            self._graphs[(bs, w)] = (None, None)
+            self.forward(ids, positions, decode)
+            self._graphs[(bs, w)] = None
             return
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward(ids, positions, decode)
-        self._graphs[(bs, w)] = (graph, logits)
+        stream = self._stream
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up on the stream that captures (torch's advice)
+                logits = self.forward(ids, positions, decode)
+                if self._logits is None:
+                    self._logits = logits.new_empty(self.sizes[-1], logits.shape[-1])
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                # Into one static buffer: the graphs' logits share its memory instead of each
+                # keeping its own [bs, vocab] alive in the pool.
+                self._logits[:bs].copy_(self.forward(ids, positions, decode))
+        self._graphs[(bs, w)] = graph
 
+    @torch.inference_mode()
     def capture_all(self) -> dict[str, float]:
         """Capture every bucket, largest first (at engine start); returns the count and seconds.
 
@@ -189,6 +226,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         return {"cuda_graphs": self.num_captured, "cuda_graphs_s": time.perf_counter() - started}
 
+    @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
             lens: np.ndarray) -> torch.Tensor:
         """One decode step of ``n`` sequences: ``ids``, ``positions``, ``slots``, ``lens`` ``[n]``
@@ -202,10 +240,10 @@ class DecodeGraphs:
         self._load(bs, w, ids, positions, slots, tables, lens)
         if key not in self._graphs:  # not captured at start (capture_all was not called)
             self._capture(bs, w)  # its warm-up forward writes the same K/V that the replay writes
-        graph, logits = self._graphs[key]
+        graph = self._graphs[key]
         self.steps_run += 1
         if graph is None:
-            inputs = self._inputs(bs, w)
-            return self.forward(*inputs)[:n]
-        graph.replay()
-        return logits[:n]
+            return self.forward(*self._inputs(bs, w))[:n]
+        with torch.cuda.device(self.device):
+            graph.replay()
+        return self._logits[:n]

@@ -88,6 +88,7 @@ class LLMEngine:
             attention_backend=cfg.attention_backend,
             compile=cfg.compile,
             cuda_graphs=cfg.cuda_graphs,
+            max_num_seqs=cfg.max_num_seqs,
         )
         pool_tokens = self.runner.num_blocks * cfg.block_size
         context = self.runner.shape.max_position_embeddings or pool_tokens

@@ -26,7 +26,7 @@ from torch.profiler import record_function
 from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
 from replica.attention_backends import CpuBackend, ReferenceBackend
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
-from replica.cuda_graphs import DecodeGraphs
+from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block
 from replica.logprobs import token_logprobs
@@ -94,7 +94,8 @@ class ModelRunner:
         attention_backend: ``auto`` (the device's fast backend), ``reference``, ``cpu`` or ``cuda``.
         compile: torch.compile the decoder layers (see :mod:`replica.compilation`).
         cuda_graphs: on CUDA with ``compile``, replay decode-only steps from CUDA graphs
-            (:mod:`replica.cuda_graphs`).
+            (:mod:`replica.cuda_graphs`); the default KV budget then leaves room for their memory.
+        max_num_seqs: the engine's seats (sizes the graphs' memory reserve).
     Raises:
         ValueError: an unknown or unavailable attention backend.
     """
@@ -112,8 +113,11 @@ class ModelRunner:
         attention_backend: str = "auto",
         compile: bool = False,
         cuda_graphs: bool = True,
+        max_num_seqs: int = 256,
     ) -> None:
         self.device = torch.device(device)
+        self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
+        self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(dtype, device)
         self.block_size = block_size
         self.model = load_model(
@@ -149,7 +153,6 @@ class ModelRunner:
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None
-        self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
 
     def _make_backend(self, name: str):
@@ -218,7 +221,8 @@ class ModelRunner:
         """Blocks in the pool: ``num_blocks`` if given, else ``budget // bytes_per_block``.
 
         The budget is ``kv_cache_memory`` if given; else 1 GiB on CPU, and on CUDA
-        ``gpu_memory_utilization × total − memory in use after loading the model`` (vLLM's rule).
+        ``gpu_memory_utilization × total − memory in use after loading the model`` (vLLM's rule),
+        less the CUDA graphs' reserve (:func:`~replica.cuda_graphs.graph_memory_reserve`).
         Raises ``ValueError`` if the budget holds no block.
         """
         if num_blocks is not None:
@@ -231,6 +235,11 @@ class ModelRunner:
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = int(total * gpu_memory_utilization) - (total - free)
+                if self.use_cuda_graphs:
+                    budget -= graph_memory_reserve(
+                        self.max_num_seqs, self.shape.max_position_embeddings or MAX_GRAPH_CONTEXT,
+                        self.shape.num_heads, self.vocab_size,
+                    )
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         blocks = budget // per_block

@@ -3,7 +3,6 @@ while serving: build oneDNN's matmul primitives, compile the decoder, capture CU
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -13,8 +12,6 @@ from replica.attention import DecodeStep, StepSequences, running_step
 from replica.compilation import mark_step_dynamic
 from replica.input_batch import to_device
 from replica.shapes import padded_size
-
-logger = logging.getLogger(__name__)
 
 
 def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:
@@ -27,8 +24,9 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
     * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
       graphs of the compiled decoder are compiled (or loaded from the compile cache) before
       the first request.
-    * With CUDA graphs: capture every decode bucket (``DecodeGraphs.capture_all``). A capture that
-      fails is logged, and the engine then runs without graphs.
+    * With CUDA graphs: capture every decode bucket (``DecodeGraphs.capture_all``).
+
+    Raises ``RuntimeError`` if a CUDA graph capture fails (the message names ``--no-cuda-graphs``).
     """
     report: dict[str, float] = {}
     if runner.pad_steps:
@@ -43,9 +41,11 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
     if runner.graphs is not None and runner.graphs.capture_graphs:
         try:
             report.update(runner.graphs.capture_all())
-        except Exception:
-            logger.exception("capturing CUDA graphs failed: decode steps run without them (cuda_graphs=False hides this)")
-            runner.graphs = None
+        except Exception as exc:  # a failed capture can leave CUDA's allocator unusable: stop here
+            raise RuntimeError(
+                f"capturing CUDA graphs failed ({exc!r}); start with --no-cuda-graphs (cuda_graphs=False) "
+                "to run without them"
+            ) from exc
     return report
 
 

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, graph_widths
+from replica import cpu_kernels
+from replica.cuda_graphs import (
+    MAX_GRAPH_BATCH,
+    MAX_GRAPH_CONTEXT,
+    DecodeGraphs,
+    graph_batch_sizes,
+    graph_memory_reserve,
+    graph_widths,
+)
 from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
@@ -28,6 +36,17 @@ def test_batch_sizes_and_widths():
     assert graph_widths(1) == [2]
     assert graph_widths(12) == [2, 4, 8, 12]
     assert graph_widths(128) == [2, 4, 8, 16, 32, 64, 128]
+
+
+def test_graphs_stop_at_max_graph_context_and_the_reserve_grows_with_seats():
+    graphs = DecodeGraphs(lambda *a: None, max_num_seqs=8, max_blocks=1000, block_size=16, spare_block=999,
+                          device=torch.device("cpu"), capture=False)
+    assert graphs.widths[-1] * 16 == MAX_GRAPH_CONTEXT
+    assert graphs.bucket(2, MAX_GRAPH_CONTEXT // 16) == (2, MAX_GRAPH_CONTEXT // 16)
+    assert graphs.bucket(2, MAX_GRAPH_CONTEXT // 16 + 1) is None  # longer contexts: the backend's kernels
+    small = graph_memory_reserve(8, 1024, 32, 128_000)
+    assert small > 8 * 128_000 * 4 and small < graph_memory_reserve(64, 1024, 32, 128_000)
+    assert graph_memory_reserve(8, 100_000, 32, 128_000) == graph_memory_reserve(8, MAX_GRAPH_CONTEXT, 32, 128_000)
 
 
 def _recording_graphs(seen: list, max_num_seqs=32, max_blocks=12) -> DecodeGraphs:
@@ -91,18 +110,28 @@ def _graph_engine(path: str, **kwargs) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static"])
-@pytest.mark.parametrize(
-    "kwargs",
-    [dict(max_num_seqs=4), dict(max_num_seqs=16, num_blocks=12, max_model_len=192)],
-    ids=["few-seats", "preemption"],
-)
-def test_graph_decode_steps_match_transformers_generate(tiny_llama, policy, kwargs):
-    llm = _graph_engine(tiny_llama, scheduling_policy=policy, **kwargs)
+# (policy, scenario, attention inside the graph): on CPU Carpool's C++ decode kernel when it is
+# built, else ("torch") the torch formulation that CUDA graphs replay on a GPU.
+CASES = [
+    ("continuous", "few-seats", "default"),
+    ("static", "few-seats", "default"),
+    ("continuous", "preemption", "default"),
+    ("static", "preemption", "default"),
+    ("continuous", "few-seats", "torch"),
+    ("continuous", "preemption", "torch"),
+]
+SCENARIO_KWARGS = {"few-seats": dict(max_num_seqs=4), "preemption": dict(max_num_seqs=16, num_blocks=12, max_model_len=192)}
+
+
+@pytest.mark.parametrize("policy,scenario,attention", CASES, ids=["-".join(c) for c in CASES])
+def test_graph_decode_steps_match_transformers_generate(tiny_llama, policy, scenario, attention, monkeypatch):
+    if attention == "torch":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    llm = _graph_engine(tiny_llama, scheduling_policy=policy, **SCENARIO_KWARGS[scenario])
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == reference_tokens(tiny_llama, WORKLOAD)
     assert llm.engine.runner.graphs.steps_run > 0
-    if "num_blocks" in kwargs:
+    if scenario == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert_idle(llm.engine)
 
