@@ -228,14 +228,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lens: np.ndarray) -> torch.Tensor:
+            lens: np.ndarray) -> torch.Tensor | None:
         """One decode step of ``n`` sequences: ``ids``, ``positions``, ``slots``, ``lens`` ``[n]``
         (int64), ``tables`` ``[n, width]``. Returns logits ``[n, vocab]``, valid until the next
-        call. Raises ``ValueError`` if no graph holds the step (check :meth:`bucket` first)."""
+        call, or None (nothing run) if no graph holds the step (:meth:`bucket`)."""
         n, width = tables.shape
         key = self.bucket(n, width)
         if key is None:
-            raise ValueError(f"no decode graph holds {n} sequences over {width} blocks")
+            return None
         bs, w = key
         self._load(bs, w, ids, positions, slots, tables, lens)
         if key not in self._graphs:  # not captured at start (capture_all was not called)

@@ -280,17 +280,14 @@ class ModelRunner:
             seqs = inputs.sequences
             arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
             all_decodes = bool((seqs.query_lens == 1).all())
-            graphed = (
-                self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs
-                and not inputs.prompt_spans and self.graphs.bucket(seqs.num_seqs, seqs.block_tables.shape[1]) is not None
-            )
-        if graphed:
+        if self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs and not inputs.prompt_spans:
             with record_function("carpool.forward"):
                 n = seqs.num_seqs
                 logits = self.graphs.run(
                     inputs.input_ids[:n], inputs.positions[:n], seqs.slot_mapping[:n], seqs.block_tables, seqs.seq_lens
                 )
-            return self._sample(out, inputs, logits)
+            if logits is not None:
+                return self._sample(out, inputs, logits)
         with record_function("carpool.prepare_inputs"):
             decode_only = self.compiled and self.backend.inline_decode and all_decodes
             if decode_only:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica import cpu_kernels
+from replica import cpu_kernels, cuda_graphs
 from replica.cuda_graphs import (
     MAX_GRAPH_BATCH,
     MAX_GRAPH_CONTEXT,
@@ -68,8 +68,10 @@ def test_buckets_pick_the_smallest_graph_that_holds_the_step():
     assert graphs.bucket(17, 12) == (24, 12)
     assert graphs.bucket(33, 2) is None  # more sequences than seats
     assert graphs.bucket(2, 13) is None  # wider than max_model_len
-    with pytest.raises(ValueError, match="no decode graph"):
-        graphs.run(*(np.zeros(33, np.int64) for _ in range(3)), np.zeros((33, 2), np.int64), np.ones(33, np.int64))
+    seen: list = []
+    graphs = _recording_graphs(seen)
+    too_many = graphs.run(*(np.zeros(33, np.int64) for _ in range(3)), np.zeros((33, 2), np.int64), np.ones(33, np.int64))
+    assert too_many is None and not seen and graphs.steps_run == 0  # the step runs without a graph
 
 
 def test_a_step_is_padded_with_one_token_sequences_on_the_spare_block():
@@ -133,6 +135,27 @@ def test_graph_decode_steps_match_transformers_generate(tiny_llama, policy, scen
     assert llm.engine.runner.graphs.steps_run > 0
     if scenario == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    assert_idle(llm.engine)
+
+
+def test_decode_steps_wider_than_every_graph_run_without_one(tiny_llama, monkeypatch):
+    """With graphs up to 64-token contexts, decode steps over longer contexts take the backend's
+    path, also mid-request; tokens stay those of transformers generate."""
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_CONTEXT", 64)
+    llm = _graph_engine(tiny_llama, max_num_seqs=2)
+    graphs = llm.engine.runner.graphs
+    assert graphs.widths == [2, 4]
+    run, outcomes = graphs.run, []
+
+    def counted(*args):
+        logits = run(*args)
+        outcomes.append(logits is not None)
+        return logits
+
+    graphs.run = counted
+    got, _ = run_engine(llm, WORKLOAD, None)
+    assert got == reference_tokens(tiny_llama, WORKLOAD)
+    assert any(outcomes) and not all(outcomes)  # both paths ran
     assert_idle(llm.engine)
 
 
