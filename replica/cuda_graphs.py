@@ -38,7 +38,7 @@ CUDA device the model runner always captures.
 from __future__ import annotations
 
 import bisect
-import logging
+import contextlib
 import time
 from typing import Callable
 
@@ -46,8 +46,6 @@ import numpy as np
 import torch
 
 from replica.attention import DecodeStep
-
-logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512
 MAX_GRAPH_CONTEXT = 2048
@@ -184,9 +182,15 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
 
+    def _on_device(self):
+        """With capture, make the graphs' device current (streams, events and copies are issued on
+        the current device's); else nothing."""
+        return torch.cuda.device(self.device) if self.capture_graphs else contextlib.nullcontext()
+
     def _capture(self, bs: int, w: int) -> None:
         """Warm the (bs, w) graph's shape up (compiling or loading its kernels), then capture it on
-        this object's stream into the shared pool; without capture, only the warm-up."""
+        this object's stream into the shared pool; without capture, only the warm-up. Called
+        inside :meth:`_on_device`."""
         from replica.compilation import mark_step_dynamic
 
         ids, positions, decode = self._inputs(bs, w)
@@ -196,19 +200,18 @@ class DecodeGraphs:
             self._graphs[(bs, w)] = None
             return
         stream = self._stream
-        with torch.cuda.device(self.device):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm up on the stream that captures (torch's advice)
-                logits = self.forward(ids, positions, decode)
-                if self._logits is None:
-                    self._logits = logits.new_empty(self.sizes[-1], logits.shape[-1])
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                # Into one static buffer: the graphs' logits share its memory instead of each
-                # keeping its own [bs, vocab] alive in the pool.
-                self._logits[:bs].copy_(self.forward(ids, positions, decode))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up on the stream that captures (torch's advice)
+            logits = self.forward(ids, positions, decode)
+            if self._logits is None:
+                self._logits = logits.new_empty(self.sizes[-1], logits.shape[-1])
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            # Into one static buffer: the graphs' logits share its memory instead of each
+            # keeping its own [bs, vocab] alive in the pool.
+            self._logits[:bs].copy_(self.forward(ids, positions, decode))
         self._graphs[(bs, w)] = graph
 
     @torch.inference_mode()
@@ -217,13 +220,14 @@ class DecodeGraphs:
 
         Padding values fill the buffers, so the warm-up forwards touch only the spare block."""
         started = time.perf_counter()
-        for bs in reversed(self.sizes):
-            for w in reversed(self.widths):
-                none = np.zeros(0, dtype=np.int64)
-                self._load(bs, w, none, none, none, none.reshape(0, 0), none)
-                self._capture(bs, w)
-        if self.capture_graphs:
-            torch.cuda.synchronize(self.device)
+        none = np.zeros(0, dtype=np.int64)
+        with self._on_device():
+            for bs in reversed(self.sizes):
+                for w in reversed(self.widths):
+                    self._load(bs, w, none, none, none, none.reshape(0, 0), none)
+                    self._capture(bs, w)
+            if self.capture_graphs:
+                torch.cuda.synchronize(self.device)
         return {"cuda_graphs": self.num_captured, "cuda_graphs_s": time.perf_counter() - started}
 
     @torch.inference_mode()
@@ -237,13 +241,13 @@ class DecodeGraphs:
         if key is None:
             return None
         bs, w = key
-        self._load(bs, w, ids, positions, slots, tables, lens)
-        if key not in self._graphs:  # not captured at start (capture_all was not called)
-            self._capture(bs, w)  # its warm-up forward writes the same K/V that the replay writes
-        graph = self._graphs[key]
         self.steps_run += 1
-        if graph is None:
-            return self.forward(*self._inputs(bs, w))[:n]
-        with torch.cuda.device(self.device):
+        with self._on_device():
+            self._load(bs, w, ids, positions, slots, tables, lens)
+            if key not in self._graphs:  # not captured at start (capture_all was not called)
+                self._capture(bs, w)  # its warm-up forward writes the same K/V that the replay writes
+            graph = self._graphs[key]
+            if graph is None:
+                return self.forward(*self._inputs(bs, w))[:n]
             graph.replay()
         return self._logits[:n]
