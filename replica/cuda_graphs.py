@@ -128,6 +128,7 @@ class DecodeGraphs:
             self._lens = torch.ones(max_bs, dtype=torch.int64, device=device)
             self._tables = torch.full((max_bs * max_w,), spare_block, dtype=torch.int64, device=device)
         self._host = torch.empty(4 * max_bs + max_bs * max_w, dtype=torch.int64, pin_memory=capture)
+        self._host_np = self._host.numpy()  # the same memory, written with numpy
         self._logits: torch.Tensor | None = None  # [max_bs, vocab], every graph's output (with capture)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stream = torch.cuda.Stream(device) if capture else None
@@ -159,26 +160,17 @@ class DecodeGraphs:
         n, width = tables.shape
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the pinned buffer
-        host = self._host.numpy()
-        parts = []
-        offset = 0
-        for buffer, values, pad, size in (
-            (self._ids, ids, 0, bs),
-            (self._positions, positions, 0, bs),
-            (self._slots, slots, self.padding_slot, bs),
-            (self._lens, lens, 1, bs),
-        ):
-            view = host[offset : offset + size]
-            view[:n] = values[:n]
-            view[n:] = pad
-            parts.append((buffer, offset, size))
-            offset += size
+        host, offset = self._host_np, 0
+        for buffer, values, pad in ((self._ids, ids, 0), (self._positions, positions, 0),
+                                    (self._slots, slots, self.padding_slot), (self._lens, lens, 1)):
+            host[offset : offset + n] = values[:n]
+            host[offset + n : offset + bs] = pad
+            buffer[:bs].copy_(self._host[offset : offset + bs], non_blocking=True)
+            offset += bs
         grid = host[offset : offset + bs * w].reshape(bs, w)
         grid.fill(self.spare_block)
         grid[:n, :width] = tables
-        parts.append((self._tables, offset, bs * w))
-        for buffer, start, size in parts:
-            buffer[:size].copy_(self._host[start : start + size], non_blocking=True)
+        self._tables[: bs * w].copy_(self._host[offset : offset + bs * w], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
