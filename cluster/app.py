@@ -3,7 +3,8 @@
 ``build_app(config)`` returns the Serve ``Application`` (ingress bound to the replicas);
 ``app_builder(args)`` is the same for Serve config files (``import_path: cluster.app:app_builder``,
 see ``deploy/serve_config.yaml``);
-``start_ray(config)`` starts a local Ray cluster or joins ``config.address``;
+``start_ray(config)`` starts a local Ray cluster or joins ``config.address`` (with
+:data:`SERVE_ENV` in its processes' environment);
 ``run(config)`` does both plus ``serve.start``/``serve.run`` and returns the API's base URL.
 """
 
@@ -22,15 +23,48 @@ REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 
+SERVE_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+}
+"""Ray Serve settings for every process of a Carpool cluster (environment variables, read when
+Ray's processes start; a value already in the environment wins). Both belong to Serve's own
+``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode:
+
+* ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``: the ingress and replica code run on the
+  replica's main event loop, not on a second loop in another thread, so each streamed delta
+  skips a hand-over between threads (and the GIL contention that comes with it) in the ingress
+  and in the replica;
+* ``RAY_SERVE_FREEZE_GC_ON_STARTUP=1``: objects alive once a replica has started are left out
+  of the garbage collector's scans.
+
+The mode's other settings are left at Serve's defaults: its gRPC transport between deployments
+left some requests of a burst waiting far longer (TTFT p99 33 s against 8.5 s), direct ingress
+moves the HTTP port, and a router sharing the caller's loop cannot serve the CLI's synchronous
+handle calls. Measured in ``docs/bench/cpu-speed.md``. ``deploy/Dockerfile`` sets the same
+variables for KubeRay pods.
+"""
+
+
+def apply_serve_env() -> None:
+    """Put :data:`SERVE_ENV` into this process's environment where not already set, so that a Ray
+    cluster started from here (``ray.init``) passes it to all its processes."""
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
     """Start a local Ray cluster (``address=None``) or join ``config.address``; no-op if connected.
 
-    Extra keyword arguments go to ``ray.init`` (e.g. ``num_cpus`` for a local cluster).
+    A local cluster's processes get :data:`SERVE_ENV` (:func:`apply_serve_env`); a joined
+    cluster keeps the environment its nodes were started with. Extra keyword arguments go to
+    ``ray.init`` (e.g. ``num_cpus`` for a local cluster).
     """
     import ray
 
     if ray.is_initialized():
         return
+    apply_serve_env()
     if config.address:
         ray.init(address=config.address, **init_kwargs)
     else:

@@ -111,6 +111,9 @@ def ray_cluster():
     import ray
     from ray import serve
 
+    from cluster.app import apply_serve_env
+
+    apply_serve_env()  # the Serve settings `carpool serve` uses
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -251,6 +251,7 @@ def main(out_path: str) -> None:
 
     carpool_app.replica_deployment_options = one_replica_per_node
 
+    carpool_app.apply_serve_env()  # the Serve settings `carpool serve` uses
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {NODE_RESOURCE: 1}, "include_dashboard": False},
