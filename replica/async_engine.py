@@ -193,8 +193,7 @@ class AsyncLLMEngine:
                     time.sleep(stall)
                 outputs = engine.step()
                 self.last_step_time = self._last_progress = time.monotonic()
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                self._deliver_step(outputs)
         except BaseException as exc:  # deliver the error to every waiting caller, then stop
             logger.exception("engine loop failed")
             self._error = exc
@@ -235,6 +234,23 @@ class AsyncLLMEngine:
                     if self.engine.abort(request_id) is not None:
                         self._deliver(request_id, RequestAbortedError(arg))
 
+    def _deliver_step(self, outputs: list[StepOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop for the whole step
+        (not one per request), so the loop thread takes them in one go."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput | BaseException]]] = {}
+        with self._streams_lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue  # the caller went away; its abort is queued
+                item = RequestFailedError(output.error) if output.error is not None else output
+                puts.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in puts.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the callers' event loop is closed
+                pass
+
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         if isinstance(item, StepOutput) and item.error is not None:
             item = RequestFailedError(item.error)
@@ -246,3 +262,8 @@ class AsyncLLMEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed
             pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput | BaseException]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
