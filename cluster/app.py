@@ -23,26 +23,22 @@ REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 
-SERVE_ENV = {
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
-}
-"""Ray Serve settings for every process of a Carpool cluster (environment variables, read when
-Ray's processes start; a value already in the environment wins). Both belong to Serve's own
-``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode:
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+"""Ray Serve settings for the processes of a Carpool cluster (environment variables, read when a
+process imports Serve; a value already in the environment wins).
 
-* ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``: the ingress and replica code run on the
-  replica's main event loop, not on a second loop in another thread, so each streamed delta
-  skips a hand-over between threads (and the GIL contention that comes with it) in the ingress
-  and in the replica;
-* ``RAY_SERVE_FREEZE_GC_ON_STARTUP=1``: objects alive once a replica has started are left out
-  of the garbage collector's scans.
+``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` (one of the settings of Serve's own
+``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode): the ingress and replica code run on the replica's main
+event loop, not on a second loop in another thread, so each streamed delta skips a hand-over
+between threads in the ingress and in the replica. The mode's other settings stay at Serve's
+defaults: its gRPC transport between deployments left some requests of a burst waiting far longer
+(TTFT p99 28 and 33 s against 9 to 11 s), direct ingress keeps the proxy on the configured port
+and serves from ports of its own, and a router on the caller's loop breaks the CLI's synchronous
+handle calls. Measured in ``docs/bench/cpu-speed.md``.
 
-The mode's other settings are left at Serve's defaults: its gRPC transport between deployments
-left some requests of a burst waiting far longer (TTFT p99 33 s against 8.5 s), direct ingress
-moves the HTTP port, and a router sharing the caller's loop cannot serve the CLI's synchronous
-handle calls. Measured in ``docs/bench/cpu-speed.md``. ``deploy/Dockerfile`` sets the same
-variables for KubeRay pods.
+Where it is set: :func:`start_ray` for a local cluster; ``deploy/Dockerfile`` for every process of
+the image; the ``runtime_env`` of ``deploy/serve_config.yaml`` (and ``rayservice.yaml``) for the
+app's processes (a test keeps the three equal to this dict).
 """
 
 

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from replica.config import EngineConfig
@@ -102,12 +103,16 @@ class LLMReplica:
         try:
             if announce:
                 yield None
-            async for delta in self.engine.generate(
-                request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params
-            ):
-                yield delta
+            # aclosing: when Serve closes this generator while it waits at a yield (the client
+            # went away), engine.generate is closed at once, which queues the engine's abort,
+            # rather than whenever the event loop finalizes it.
+            async with aclosing(
+                self.engine.generate(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+            ) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
-            # Cancellation (client gone) lands here too: closing engine.generate queued the abort.
+            # Cancellation (client gone) lands here too, after the abort is queued.
             self._inflight -= 1
 
     async def generate_all(

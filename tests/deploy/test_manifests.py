@@ -228,3 +228,14 @@ def test_podmonitors_select_the_rayservice_pods(rayservice):
     (endpoint,) = ray_metrics["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] in ports(containers(head_group)["ray-head"])
     assert endpoint["port"] in ports(containers(gpu_group)["ray-worker"])
+
+
+def test_serve_settings_equal_cluster_app_serve_env(serve_config):
+    """cluster.app.SERVE_ENV reaches a cluster deployed from the Serve config (the app's
+    runtime_env) and every process of the image (its ENV instruction)."""
+    from cluster.app import SERVE_ENV
+
+    assert serve_config["applications"][0]["runtime_env"]["env_vars"] == SERVE_ENV
+    env_lines = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.startswith("ENV ")]
+    image_env = dict(pair.split("=", 1) for line in env_lines for pair in line[len("ENV "):].split())
+    assert {k: v for k, v in image_env.items() if k.startswith("RAY_SERVE_")} == SERVE_ENV

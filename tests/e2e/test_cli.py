@@ -19,9 +19,32 @@ import httpx
 import openai
 import pytest
 
+from cluster.app import SERVE_ENV
 from tests.e2e.conftest import free_port
 
 CARPOOL = str(Path(sys.executable).with_name("carpool"))
+
+
+def serve_replica_environs(session: int) -> dict[str, dict[str, str]]:
+    """The environment of each Serve replica process (``ray::ServeReplica:...``) in ``session``,
+    keyed by its process title, read from /proc."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) != session:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if not title.startswith("ray::ServeReplica:"):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                pairs = f.read().decode(errors="replace").split("\0")
+        except (OSError, ProcessLookupError):  # gone meanwhile
+            continue
+        found[f"{title} ({entry})"] = dict(kv.split("=", 1) for kv in pairs if "=" in kv)
+    return found
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -59,7 +82,8 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
     proc = subprocess.Popen(
         [CARPOOL, "serve", "--config", str(config), "--port", str(port)],  # the API key from the environment
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "CARPOOL_API_KEY": "sekrit"},
+        # Without the Serve settings of SERVE_ENV, which `carpool serve` must set itself.
+        env={**{k: v for k, v in os.environ.items() if k not in SERVE_ENV}, "RAY_USAGE_STATS_ENABLED": "0", "CARPOOL_API_KEY": "sekrit"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -83,6 +107,11 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
             max_tokens=16, temperature=0,
         )
         assert "Paris" in reply.choices[0].message.content
+        # The local cluster's processes got SERVE_ENV from `carpool serve` (the Serve replicas
+        # of this server: the processes of its session named ray::ServeReplica:...).
+        replicas = serve_replica_environs(session=proc.pid)
+        assert len(replicas) == 2, replicas  # the ingress and one LLMReplica
+        assert all({k: env.get(k) for k in SERVE_ENV} == SERVE_ENV for env in replicas.values()), replicas
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
