@@ -235,34 +235,31 @@ class AsyncLLMEngine:
                         self._deliver(request_id, RequestAbortedError(arg))
 
     def _deliver_step(self, outputs: list[StepOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per event loop for the whole step
-        (not one per request), so the loop thread takes them in one go."""
-        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput | BaseException]]] = {}
-        with self._streams_lock:
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is None:
-                    continue  # the caller went away; its abort is queued
-                item = RequestFailedError(output.error) if output.error is not None else output
-                puts.setdefault(stream.loop, []).append((stream.queue, item))
-        for loop, items in puts.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the callers' event loop is closed
-                pass
+        """Hand a step's outputs to their streams (see :meth:`_deliver_all`)."""
+        self._deliver_all([(output.request_id, output) for output in outputs])
 
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
-        if isinstance(item, StepOutput) and item.error is not None:
-            item = RequestFailedError(item.error)
-        with self._streams_lock:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            return  # the caller went away; its abort is queued
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed
-            pass
+        self._deliver_all([(request_id, item)])
 
+    def _deliver_all(self, items: list[tuple[str, StepOutput | BaseException]]) -> None:
+        """Put each ``(request_id, item)`` on its request's stream, in order: one wake-up per event
+        loop for all of them (a step's outputs come in one go, not one per request). An output
+        with an error becomes :class:`RequestFailedError`; items of requests whose caller went
+        away are dropped (their abort is queued), as are those of a closed event loop."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput | BaseException]]] = {}
+        with self._streams_lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    continue
+                if isinstance(item, StepOutput) and item.error is not None:
+                    item = RequestFailedError(item.error)
+                puts.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, queued in puts.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, queued)
+            except RuntimeError:  # that event loop is closed
+                pass
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput | BaseException]]) -> None:
     for q, item in items:

@@ -104,6 +104,13 @@ def _idle(s: dict) -> bool:
     )
 
 
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment of process ``pid``, read from /proc (Linux)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = f.read().decode(errors="replace").split("\0")
+    return dict(kv.split("=", 1) for kv in pairs if "=" in kv)
+
+
 @pytest.fixture(scope="package")
 def ray_cluster():
     """One local Ray cluster (2 CPUs) with Serve's HTTP proxy on 127.0.0.1:<free port>."""

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from cluster.app import SERVE_ENV
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import free_port, process_environ
 
 CARPOOL = str(Path(sys.executable).with_name("carpool"))
 
@@ -37,13 +37,10 @@ def serve_replica_environs(session: int) -> dict[str, dict[str, str]]:
                 continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            if not title.startswith("ray::ServeReplica:"):
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                pairs = f.read().decode(errors="replace").split("\0")
+            if title.startswith("ray::ServeReplica:"):
+                found[f"{title} ({entry})"] = process_environ(int(entry))
         except (OSError, ProcessLookupError):  # gone meanwhile
             continue
-        found[f"{title} ({entry})"] = dict(kv.split("=", 1) for kv in pairs if "=" in kv)
     return found
 
 

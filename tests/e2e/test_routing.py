@@ -11,6 +11,7 @@ import pytest
 
 from cluster.config import ServeConfig
 from replica.config import EngineConfig
+from tests.e2e.conftest import process_environ
 
 # 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue.
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128, compile=False)
@@ -82,6 +83,5 @@ def test_replicas_run_with_carpools_serve_settings(served):
     from cluster.app import SERVE_ENV
 
     for s in served.stats():
-        with open(f"/proc/{s['pid']}/environ", "rb") as f:
-            environ = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+        environ = process_environ(s["pid"])
         assert {name: environ.get(name) for name in SERVE_ENV} == SERVE_ENV, s["replica"]
