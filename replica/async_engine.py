@@ -193,7 +193,7 @@ class AsyncLLMEngine:
                     time.sleep(stall)
                 outputs = engine.step()
                 self.last_step_time = self._last_progress = time.monotonic()
-                self._deliver_step(outputs)
+                self._deliver_all([(output.request_id, output) for output in outputs])
         except BaseException as exc:  # deliver the error to every waiting caller, then stop
             logger.exception("engine loop failed")
             self._error = exc
@@ -234,10 +234,6 @@ class AsyncLLMEngine:
                     if self.engine.abort(request_id) is not None:
                         self._deliver(request_id, RequestAbortedError(arg))
 
-    def _deliver_step(self, outputs: list[StepOutput]) -> None:
-        """Hand a step's outputs to their streams (see :meth:`_deliver_all`)."""
-        self._deliver_all([(output.request_id, output) for output in outputs])
-
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])
 
@@ -260,6 +256,7 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_put_all, queued)
             except RuntimeError:  # that event loop is closed
                 pass
+
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput | BaseException]]) -> None:
     for q, item in items:
