@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -181,6 +183,7 @@ class AsyncLLMEngine:
     # ---- loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        lower_thread_priority(engine.config.loop_thread_nice)
         try:
             while not self._stopping:
                 block = not engine.has_unfinished_requests()
@@ -261,3 +264,23 @@ class AsyncLLMEngine:
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput | BaseException]]) -> None:
     for q, item in items:
         q.put_nowait(item)
+
+
+def lower_thread_priority(increment: int) -> int | None:
+    """Add ``increment`` to the calling thread's nice value, capped at 19; return the new value.
+
+    Linux only: there ``setpriority(PRIO_PROCESS, tid)`` applies to one thread (``sched(7)``,
+    "the nice value is a per-thread attribute"); elsewhere, and for ``increment <= 0``, nothing
+    changes and ``None`` comes back. Raising one's own nice value needs no privilege. An
+    ``OSError`` (a sandbox that forbids it) is logged, not raised.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as exc:
+        logger.warning("could not lower the engine loop thread's priority: %s", exc)
+        return None
+    return nice

@@ -97,6 +97,17 @@ class EngineConfig(BaseModel):
             "start with the same tokens (automatic prefix caching); False recomputes every prompt."
         ),
     )
+    loop_thread_nice: int = Field(
+        4,
+        ge=0,
+        le=19,
+        description=(
+            "Added to the engine loop thread's nice value (Linux, where nice is per thread; capped "
+            "at 19). When steps keep every core busy, the replica's event loop, the ingress and "
+            "Serve's proxy then run as soon as they wake, so tokens and new requests do not wait "
+            "for a step's time slice; 0 leaves the thread alone."
+        ),
+    )
     scheduling_policy: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (iteration-level) batching, or the static baseline."
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -692,3 +693,33 @@ def test_16_bit_eager_engine_runs_chunked_prefills_beside_decodes(tiny_llama, dt
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(max_tokens=10, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [10, 10, 10]
     assert_idle(llm.engine)
+
+
+def _nice_of_thread(tid: int) -> int:
+    """The nice value of one thread of this process (field 19 of /proc/self/task/TID/stat)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux only")
+@pytest.mark.parametrize("increment", [0, 4, 19])
+def test_loop_thread_yields_the_cpu_to_its_callers(tiny_llama, increment):
+    """The engine loop thread runs ``loop_thread_nice`` above the caller's nice value (capped at
+    19), so the event loop that streams its outputs wins a busy core; the caller is untouched."""
+    import threading
+
+    caller = _nice_of_thread(threading.get_native_id())
+    kwargs = {} if increment == 4 else {"loop_thread_nice": increment}  # 4: the default
+    engine = LLMEngine(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=2, block_size=16, num_blocks=16, **kwargs)
+    aengine = AsyncLLMEngine(engine=engine)
+    try:
+
+        async def one():
+            return [o async for o in aengine.generate("nice", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))]
+
+        assert run(one())[-1].finished
+        assert _nice_of_thread(aengine._thread.native_id) == min(19, caller + increment)
+        assert _nice_of_thread(threading.get_native_id()) == caller
+    finally:
+        aengine.shutdown()
+    assert_idle(engine)

@@ -197,3 +197,25 @@ def test_api_keys_that_no_header_could_carry_are_refused(key):
     with pytest.raises(ValidationError, match="printable ASCII"):
         ServeConfig(api_key=key)
     assert ServeConfig(api_key="sk-ok_123").api_key == "sk-ok_123"
+
+
+@pytest.mark.parametrize("argv", [["serve", "--help"], ["bench", "serve", "--help"], ["bench", "offline", "--help"]])
+def test_help_shows_every_option_whole_at_80_columns(argv):
+    """``--help`` on an 80-column terminal names every option in full and cuts no default short."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from cluster.cli import app
+
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    command = get_command(app)
+    for name in argv[:-1]:
+        command = command.commands[name]
+    names = [opt for p in command.params if p.param_type_name == "option" for opt in p.opts]
+    assert len(names) > 5
+    words = set(result.output.replace(",", " ").replace("/", " ").split())
+    missing = [n for n in names if n not in words]
+    assert not missing, f"options cut or missing from --help: {missing}\n{result.output}"
+    assert "…" not in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
