@@ -105,10 +105,26 @@ def _idle(s: dict) -> bool:
 
 
 def process_environ(pid: int) -> dict[str, str]:
-    """The environment of process ``pid``, read from /proc (Linux)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = f.read().decode(errors="replace").split("\0")
-    return dict(kv.split("=", 1) for kv in pairs if "=" in kv)
+    """The environment of process ``pid`` (psutil; raises ``psutil.Error`` if it is gone)."""
+    import psutil
+
+    return psutil.Process(pid).environ()
+
+
+def cluster_processes(carpool_pid: int, title: str) -> list:
+    """The ``psutil.Process``es among the descendants of ``carpool_pid`` (a ``carpool serve`` and
+    the local Ray cluster it started) whose command line contains ``title``, such as
+    ``ray::ServeReplica:`` or ``LLMReplica``; processes that end meanwhile are left out."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(carpool_pid).children(recursive=True):
+        try:
+            if title in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.fixture(scope="package")

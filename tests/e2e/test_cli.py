@@ -20,28 +20,9 @@ import openai
 import pytest
 
 from cluster.app import SERVE_ENV
-from tests.e2e.conftest import free_port, process_environ
+from tests.e2e.conftest import cluster_processes, free_port
 
 CARPOOL = str(Path(sys.executable).with_name("carpool"))
-
-
-def serve_replica_environs(session: int) -> dict[str, dict[str, str]]:
-    """The environment of each Serve replica process (``ray::ServeReplica:...``) in ``session``,
-    keyed by its process title, read from /proc."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry)) != session:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            if title.startswith("ray::ServeReplica:"):
-                found[f"{title} ({entry})"] = process_environ(int(entry))
-        except (OSError, ProcessLookupError):  # gone meanwhile
-            continue
-    return found
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -104,9 +85,9 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
             max_tokens=16, temperature=0,
         )
         assert "Paris" in reply.choices[0].message.content
-        # The local cluster's processes got SERVE_ENV from `carpool serve` (the Serve replicas
-        # of this server: the processes of its session named ray::ServeReplica:...).
-        replicas = serve_replica_environs(session=proc.pid)
+        # The local cluster's processes got SERVE_ENV from `carpool serve` (its Serve replicas:
+        # the processes it started, directly or not, named ray::ServeReplica:...).
+        replicas = {f"{p.name()} ({p.pid})": p.environ() for p in cluster_processes(proc.pid, "ray::ServeReplica:")}
         assert len(replicas) == 2, replicas  # the ingress and one LLMReplica
         assert all({k: env.get(k) for k in SERVE_ENV} == SERVE_ENV for env in replicas.values()), replicas
         with pytest.raises(openai.AuthenticationError):

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from tests.e2e.conftest import free_port
+from tests.e2e.conftest import cluster_processes, free_port
 from tests.e2e.test_cli import CARPOOL
 
 GRACE_S = 8
@@ -122,20 +122,6 @@ def test_sigterm_drains_then_exits(tmp_path):
     print(f"\nSIGTERM: exited with 0 after {exited:.1f} s; long stream ended {long_['ended'] - signalled:.1f} s after the signal")
 
 
-def _replica_pids(carpool_pid: int) -> list[int]:
-    """Pids of the LLMReplica processes of the Ray cluster this ``carpool serve`` started."""
-    import psutil
-
-    pids = []
-    for p in psutil.Process(carpool_pid).children(recursive=True):
-        try:
-            if "LLMReplica" in " ".join(p.cmdline()):
-                pids.append(p.pid)
-        except psutil.Error:
-            pass
-    return pids
-
-
 def _outcome(url: str, body: dict, out: list) -> None:
     """Append ``("status", code, retry_after, error or None)`` or ``("event", error or None)`` for
     a stream that ended with ``[DONE]``, or ``("exception", repr)``."""
@@ -178,7 +164,7 @@ def test_sigterm_while_requests_wait_for_a_dead_replica_answers_every_one(tmp_pa
         ):
             assert time.monotonic() < deadline, "the two requests never waited on the replica"
             time.sleep(0.2)
-        pids = _replica_pids(proc.pid)
+        pids = [p.pid for p in cluster_processes(proc.pid, "LLMReplica")]
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         for extra in ({"stream": True, "max_tokens": 8}, {"max_tokens": 8}):  # before the ingress sees it
