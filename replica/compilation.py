@@ -9,7 +9,9 @@ of each decoder layer.
   layer through an opaque op around ``torch.ops.mkldnn._linear_pointwise``: Carpool's C++
   ``carpool_cpu::packed_linear`` when its CPU kernels are built (no Python between the compiled
   graph and oneDNN), else the Python custom op ``carpool::packed_linear``. Results are
-  bit-identical to ``F.linear``.
+  bit-identical to ``F.linear``. On CPUs with AVX512-BF16, bf16 weights are packed for Carpool's
+  own bf16 kernel instead (``replica/csrc/cpu_kernels.cpp``): as fast as oneDNN or faster at every
+  row count, and a row's result never depends on the other rows of its step.
 * **Compiled decoder.** :func:`compile_decoder` compiles the model's decoder (embedding, every
   layer, final norm) with ``torch.compile`` (inductor) as one graph: norms, rotary, activations
   and residual adds fuse into a few kernels, and the per-op Python dispatch disappears. Attention is
@@ -63,12 +65,13 @@ def _packed_forward_cpp(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def prepack_linears(model: torch.nn.Module) -> int:
     """Route every ``nn.Linear`` of ``model`` through a oneDNN-prepacked copy of its weight.
 
-    With Carpool's CPU kernels and a bf16 model, each weight is also packed for the small-batch
-    kernel (decode steps of up to 8 rows; see ``replica/csrc/cpu_kernels.cpp``). The original
-    weight is then released (an empty tensor of its dtype stays as ``weight``), unless the input
-    embedding shares it (a tied output embedding). Returns the number of layers packed: 0 unless the
-    model is bfloat16 or float16 and this CPU's oneDNN computes that type (float16 needs
-    avx512_fp16 or avx_ne_convert).
+    With Carpool's CPU kernels, a bf16 model and AVX512-BF16, each weight is packed for Carpool's
+    bf16 kernel instead, which serves every number of rows, as fast as oneDNN or faster, and gives
+    each row the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``); no oneDNN
+    copy is kept then. The original weight is released (an empty tensor of its dtype stays as
+    ``weight``), unless the input embedding shares it (a tied output embedding). Returns the number
+    of layers packed: 0 unless the model is bfloat16 or float16 and this CPU's oneDNN computes that
+    type (float16 needs avx512_fp16 or avx_ne_convert).
     """
     if not torch.backends.mkldnn.is_available():
         return 0
@@ -88,10 +91,12 @@ def prepack_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu":
             weight = module.weight.detach()
-            module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-            module.carpool_gemv_weight = (
-                torch.ops.carpool_cpu.pack_bf16_weight(weight) if gemv and weight.dtype == torch.bfloat16 else None
-            )
+            if gemv and weight.dtype == torch.bfloat16:  # Carpool's kernel serves every row count
+                module.carpool_gemv_weight = torch.ops.carpool_cpu.pack_bf16_weight(weight)
+                module.carpool_packed_weight = weight.new_empty(0)
+            else:
+                module.carpool_gemv_weight = None
+                module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
             if id(module.weight) not in shared:  # the packed copies replace it (a tied one stays)
                 module.weight.data = weight.new_empty(0)
             module.forward = types.MethodType(forward, module)

@@ -1,7 +1,7 @@
 """Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp``), built on first use with torch's C++
 extension loader and cached: paged decode attention, and linear layers on prepacked weights
-(``packed_linear``: a small-batch bf16 kernel for decode steps of up to 8 rows on CPUs with
-AVX512-BF16, oneDNN otherwise, called without Python in between).
+(``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, at any number of rows and
+batch-invariant, oneDNN otherwise, called without Python in between).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
 torch's own options read each sequence's context far below what the core can do. Measured on the
@@ -36,7 +36,7 @@ def available() -> bool:
 
 
 def has_bf16_gemv() -> bool:
-    """Whether the small-batch bf16 linear kernel is built (the CPU has AVX512-BF16)."""
+    """Whether Carpool's bf16 linear kernel is built (the CPU has AVX512-BF16)."""
     return available() and torch.ops.carpool_cpu.has_bf16_gemv()
 
 

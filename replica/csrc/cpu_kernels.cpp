@@ -1,5 +1,5 @@
 // Carpool's CPU kernels (built by replica/cpu_kernels.py): paged decode attention, and linear layers
-// on prepacked weights (a small-batch bf16 kernel, else oneDNN).
+// on prepacked weights (Carpool's bf16 kernel on AVX512-BF16, else oneDNN).
 //
 // Paged decode attention for CPU: one query token per sequence, reading K/V in place through the
 // sequence's block table (no gathered copy), GQA without repeating heads, softmax in float32.
@@ -305,14 +305,29 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return out.to(query.scalar_type());
 }
 
-// ---- small-batch bf16 linear (decode steps) -------------------------------------------------
-// At a few rows, a linear layer is a stream over its weight: this kernel reads the weight once, in
-// a layout made for AVX512-BF16's dot-product instruction (vdpbf16ps: 16 outputs x 2 k-values per
-// 64-byte load, x's pair broadcast), so it runs near memory bandwidth where oneDNN's GEMM does
-// not (30 SmolLM2 layers at 4 rows, one thread: 10.4 vs 16.1 ms). Each output is the sum over k
-// in ascending pairs, accumulated in float32 and rounded to bf16 once: the same order as oneDNN's
-// AVX512-BF16 kernels, and bit-identical to them in the tests.
-constexpr int64_t kGemvMaxRows = 8;
+// ---- bf16 linear on AVX512-BF16, any number of rows ---------------------------------------------
+// The weight comes packed for the dot-product instruction vdpbf16ps (16 outputs x 2 k-values per
+// 64-byte load, x's k-pair broadcast). The micro-kernel (gemv_rows) computes a block of up to 16
+// rows x 16 outputs over the whole of K; rows are taken 16 at a time under each group of 16 outputs,
+// so the group's packed weight is read from memory once and reused from L1/L2 for every row block.
+// Each output is the sum over k in ascending pairs, accumulated in float32 and rounded to bf16
+// once, whatever the number of rows: a row's result does not depend on its batch mates, so a
+// request's logits are the same alone, batched, chunked or preempted. oneDNN's GEMM does not
+// promise that: above 8 rows (where this kernel used to hand over to it), about one output in
+// 10,000 of SmolLM2's MLP down projection (K = 1,536) came out one bf16 step away from the same row
+// computed alone.
+// Measured on the 2-core AMD EPYC machine (Zen 4), one thread: the 7 linears of a SmolLM2 layer,
+// 30 layers of distinct weights (read from DRAM, as in a step), ms (oneDNN on its own prepacked
+// weight; the script is in docs/bench/cpu-speed.md, "One bf16 kernel for every step"):
+//   rows     1     4     8    14    16    32    64   128   256   512
+//   oneDNN  20.6  17.8  20.1  25.1  26.4  43.1  77.7   141   270   549
+//   this     9.9   9.9  12.1  18.7  20.2  36.2  69.8   139   269   551
+// From about 16 rows both run near the core's bf16 peak (about 200 GFLOP/s); below, the weight
+// stream bounds them, and the software prefetch keeps it going while a row block computes.
+// oneDNN still serves other dtypes and CPUs without AVX512-BF16.
+constexpr int64_t kRowBlock = 16;
+// Weight lines (64 bytes) prefetched ahead of use (past a group's end: the next group's).
+constexpr int64_t kPrefetchAhead = 64;
 
 bool has_bf16_gemv() {
 #if defined(__AVX512BF16__)
@@ -342,6 +357,7 @@ void gemv_rows(const uint32_t* __restrict x, int64_t pairs, const __m512bh* __re
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     const __m512bh* wp = w + group * pairs;
     for (int64_t p = 0; p < pairs; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + p + kPrefetchAhead), _MM_HINT_T0);
       const __m512bh wv = wp[p];
       for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(x[m * pairs + p]));
     }
@@ -366,24 +382,32 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::o
   const auto* wb = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
   const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* yb = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, packed.size(0), 16, [&](int64_t begin, int64_t end) {
-    switch (rows) {
-      case 1: gemv_rows<1>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 2: gemv_rows<2>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 3: gemv_rows<3>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 4: gemv_rows<4>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 5: gemv_rows<5>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 6: gemv_rows<6>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      case 7: gemv_rows<7>(xb, pairs, wb, bb, yb, N, begin, end); break;
-      default: gemv_rows<8>(xb, pairs, wb, bb, yb, N, begin, end); break;
+  // Groups of 16 outputs in parallel (torch's threads); under each, the row blocks in order.
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const uint32_t* xr = xb + r0 * pairs;
+        at::BFloat16* yr = yb + r0 * N;
+        switch (std::min<int64_t>(kRowBlock, rows - r0)) {
+#define CARPOOL_ROWS(m) \
+  case m:               \
+    gemv_rows<m>(xr, pairs, wb, bb, yr, N, group, group + 1); \
+    break;
+          CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5) CARPOOL_ROWS(6)
+          CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10) CARPOOL_ROWS(11) CARPOOL_ROWS(12)
+          CARPOOL_ROWS(13) CARPOOL_ROWS(14) CARPOOL_ROWS(15) CARPOOL_ROWS(16)
+#undef CARPOOL_ROWS
+        }
+      }
     }
   });
   return y;
 }
 #endif
 
-// x @ W.T + bias. W comes prepacked twice: for oneDNN (mkldnn::_reorder_linear_weight, any number
-// of rows) and, optionally, for the small-batch kernel above (pack_bf16_weight). oneDNN's op is
+// x @ W.T + bias, on a weight prepacked for the bf16 kernel above (gemv_weight, from
+// pack_bf16_weight) where this CPU has AVX512-BF16 and x is bf16, else for oneDNN (onednn_weight,
+// from mkldnn::_reorder_linear_weight; an empty tensor when gemv_weight serves). oneDNN's op is
 // called through the dispatcher from C++, so that a compiled graph reaches it without Python.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& onednn_weight, const std::optional<at::Tensor>& gemv_weight,
                          const std::optional<at::Tensor>& bias, int64_t out_features) {
@@ -393,8 +417,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& onednn_weight, c
     return at::empty(shape, x.options());
   }
 #if defined(__AVX512BF16__)
-  if (gemv_weight.has_value() && gemv_weight->defined() && x.scalar_type() == at::kBFloat16 &&
-      x.numel() / x.size(-1) <= kGemvMaxRows) {
+  if (gemv_weight.has_value() && gemv_weight->defined() && x.scalar_type() == at::kBFloat16) {
     return bf16_gemv(x, *gemv_weight, bias, out_features);
   }
 #endif
