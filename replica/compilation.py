@@ -10,8 +10,8 @@ of each decoder layer.
   ``carpool_cpu::packed_linear`` when its CPU kernels are built (no Python between the compiled
   graph and oneDNN), else the Python custom op ``carpool::packed_linear``. Results are
   bit-identical to ``F.linear``. On CPUs with AVX512-BF16, bf16 weights are packed for Carpool's
-  own bf16 kernel instead (``replica/csrc/cpu_kernels.cpp``): as fast as oneDNN or faster at every
-  row count, and a row's result never depends on the other rows of its step.
+  own bf16 kernel instead (``replica/csrc/cpu_kernels.cpp``): faster than oneDNN up to about 128
+  rows and even with it above, and a row's result never depends on the other rows of its step.
 * **Compiled decoder.** :func:`compile_decoder` compiles the model's decoder (embedding, every
   layer, final norm) with ``torch.compile`` (inductor) as one graph: norms, rotary, activations
   and residual adds fuse into a few kernels, and the per-op Python dispatch disappears. Attention is
@@ -66,8 +66,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
     """Route every ``nn.Linear`` of ``model`` through a oneDNN-prepacked copy of its weight.
 
     With Carpool's CPU kernels, a bf16 model and AVX512-BF16, each weight is packed for Carpool's
-    bf16 kernel instead, which serves every number of rows, as fast as oneDNN or faster, and gives
-    each row the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``); no oneDNN
+    bf16 kernel instead, which serves every number of rows (faster than oneDNN up to about 128,
+    even with it above) and gives each row the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``); no oneDNN
     copy is kept then. The original weight is released (an empty tensor of its dtype stays as
     ``weight``), unless the input embedding shares it (a tied output embedding). Returns the number
     of layers packed: 0 unless the model is bfloat16 or float16 and this CPU's oneDNN computes that

@@ -17,10 +17,11 @@ from replica.shapes import padded_size
 def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:
     """Warm ``runner`` (a ``ModelRunner``) up; returns what it did (counts and seconds).
 
-    * With step padding: run every distinct linear layer once at every padded step size, so
-      that oneDNN builds all its matmul primitives now (about 1 ms each): every
-      :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
-      model, up to ``max_num_seqs`` rows for the output embedding.
+    * With step padding: run every distinct linear layer that oneDNN computes once at every
+      padded step size, so that oneDNN builds all its matmul primitives now (about 1 ms each):
+      every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
+      model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's bf16 kernel
+      (``carpool_gemv_weight``) build nothing and are skipped.
     * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
       graphs of the compiled decoder are compiled (or loaded from the compile cache) before
       the first request.
@@ -53,13 +54,16 @@ def _warm_up_matmuls(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
     output = runner.model.get_output_embeddings()
     layers: dict[tuple, torch.nn.Linear] = {}
     for module in runner.model.modules():
+        if getattr(module, "carpool_gemv_weight", None) is not None:
+            continue  # Carpool's bf16 kernel: no oneDNN primitive to build
         if isinstance(module, torch.nn.Linear) and module is not output:
             key = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype)
             layers.setdefault(key, module)
     token_sizes = sorted({padded_size(n) for n in range(1, max_num_batched_tokens + 1)})
     row_sizes = sorted({padded_size(n) for n in range(1, max_num_seqs + 1)})
     runs = 0
-    for layer, sizes in [*((layer, token_sizes) for layer in layers.values()), (output, row_sizes)]:
+    heads = [] if getattr(output, "carpool_gemv_weight", None) is not None else [(output, row_sizes)]
+    for layer, sizes in [*((layer, token_sizes) for layer in layers.values()), *heads]:
         for size in sizes:
             layer(torch.zeros(1, size, layer.in_features, dtype=layer.weight.dtype, device=runner.device))
             runs += 1

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -311,9 +312,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
 // rows x 16 outputs over the whole of K; rows are taken 16 at a time under each group of 16 outputs,
 // so the group's packed weight is read from memory once and reused from L1/L2 for every row block.
 // Each output is the sum over k in ascending pairs, accumulated in float32 and rounded to bf16
-// once, whatever the number of rows: a row's result does not depend on its batch mates, so a
-// request's logits are the same alone, batched, chunked or preempted. oneDNN's GEMM does not
-// promise that: above 8 rows (where this kernel used to hand over to it), about one output in
+// once, whatever the number of rows: a row's result does not depend on its batch mates. (Attention
+// is another matter: a prompt token's can differ in its last bits between a whole prefill and a
+// chunked one.) oneDNN's GEMM does not promise that: above 8 rows (where this kernel used to hand over to it), about one output in
 // 10,000 of SmolLM2's MLP down projection (K = 1,536) came out one bf16 step away from the same row
 // computed alone.
 // Measured on the 2-core AMD EPYC machine (Zen 4), one thread: the 7 linears of a SmolLM2 layer,
@@ -357,7 +358,8 @@ void gemv_rows(const uint32_t* __restrict x, int64_t pairs, const __m512bh* __re
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     const __m512bh* wp = w + group * pairs;
     for (int64_t p = 0; p < pairs; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + p + kPrefetchAhead), _MM_HINT_T0);
+      // The address may lie past the packed weight: a prefetch never faults (computed as an integer).
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wp + p) + kPrefetchAhead * 64), _MM_HINT_T0);
       const __m512bh wv = wp[p];
       for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(x[m * pairs + p]));
     }
@@ -369,7 +371,14 @@ void gemv_rows(const uint32_t* __restrict x, int64_t pairs, const __m512bh* __re
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "packed_linear: gemv_weight must come from pack_bf16_weight");
   const int64_t K = x.size(-1), rows = x.numel() / K, pairs = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == pairs && packed.size(0) == (N + 15) / 16, "packed_linear: x [..., ", K,
+              "] and out_features ", N, " do not match the packed weight ", packed.sizes());
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == N, "packed_linear: bias must have ", N,
+              " elements");
   auto x2 = x.reshape({rows, K});
   if (K % 2) x2 = at::constant_pad_nd(x2, {0, 1});
   x2 = x2.contiguous();
@@ -421,6 +430,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& onednn_weight, c
     return bf16_gemv(x, *gemv_weight, bias, out_features);
   }
 #endif
+  TORCH_CHECK(onednn_weight.numel() > 0,
+              "packed_linear: the weight is packed for the bf16 kernel only, so x must be bf16 (got ",
+              x.scalar_type(), ")");
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   std::vector<c10::IValue> stack{x, onednn_weight, bias, std::string("none"),
                                  c10::List<std::optional<at::Scalar>>(), std::optional<std::string>()};

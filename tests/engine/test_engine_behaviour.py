@@ -639,6 +639,7 @@ def test_padded_steps_bound_the_attention_shapes(tiny_llama, monkeypatch):
         block_size=4, num_blocks=128, max_model_len=MAX_MODEL_LEN,
     )
     runner = llm.engine.runner
+    runner.inline_chunk_pairs = 0  # every prefill chunk through SDPA, whose shapes this test is about
     prompts = [[(7 + 13 * i + 5 * j) % 3000 + 50 for j in range(n)] for i, n in enumerate([17, 23, 33, 61, 90, 101])]
     shapes: list[tuple[int, int]] = []
     sdpa = F.scaled_dot_product_attention

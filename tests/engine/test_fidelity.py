@@ -119,6 +119,34 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
     assert_idle(llm.engine)
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the decode path for prefill chunks is the compiled CPU backend's")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_small_prefill_chunks_on_the_decode_path_match_the_sdpa_path(tiny_model_factory, family):
+    """Compiled on CPU, a step with small prefill chunks runs each chunk token as a decode query
+    (``ModelRunner.decode_arrays``); with that turned off the same steps go through the backend's
+    padded SDPA. Both give transformers' tokens, and each path really ran (the SDPA path plans
+    the step with the backend, the decode path does not)."""
+    path = tiny_model_factory(family)
+    expected = reference_tokens(path, WORKLOAD)
+    for pairs in (0, None):
+        llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, max_num_batched_tokens=24)
+        runner = llm.engine.runner
+        if not runner.inline_chunk_pairs:
+            pytest.skip("Carpool's CPU kernels are not built: the decode path takes no prefill chunks")
+        if pairs is not None:
+            runner.inline_chunk_pairs = pairs
+        plans = []
+        plan = runner.backend.plan
+        runner.backend.plan = lambda step: (plans.append(step.num_tokens), plan(step))[1]
+        got, _ = run_engine(llm, WORKLOAD, "staggered")
+        assert got == expected, f"inline_chunk_pairs={runner.inline_chunk_pairs}"
+        if pairs == 0:
+            assert len(plans) > 20  # every step with a prefill chunk went through SDPA
+        else:
+            assert plans == []  # 24-token chunks over at most 90 tokens: all on the decode path
+        assert_idle(llm.engine)
+
+
 def test_third_family_qwen3(tiny_model_factory, variant):
     """Qwen3 (per-head q/k RMSNorm) through the same attention hook."""
     path = tiny_model_factory("qwen3")
