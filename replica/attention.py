@@ -15,9 +15,9 @@ engine's :class:`AttentionBackend` (:meth:`AttentionBackend.plan`), which every 
 reads: the model runner runs the forward inside :func:`running_step`, which tells the op (on this
 thread) whose step it is, so two engines in one process never see each other's steps. The layer's
 K/V cache tensors are attributes of its attention module (``carpool_key_cache``,
-``carpool_value_cache``), so that one compiled layer serves every layer. A step whose tokens are
-all decodes may instead pass a :class:`DecodeStep` to the model call, and then attention is traced
-into the compiled layer.
+``carpool_value_cache``), so that one compiled layer serves every layer. A step whose tokens all
+attend as decode queries (decodes, and the tokens of small prefill chunks) may instead pass a
+:class:`DecodeStep` to the model call, and then attention is traced into the compiled layer.
 
 This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). Backends are in
 :mod:`replica.attention_backends`.
@@ -65,6 +65,20 @@ class StepSequences:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    def decode_queries(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sequences ``seqs`` (indices) as one decode query per token: causal attention, one query
+        at a time. Token ``j`` of sequence ``i`` reads ``i``'s block table and sees its first
+        ``context_lens[i] + j + 1`` tokens.
+
+        Returns ``(tokens, rows, lens)``, each ``[sum(query_lens[seqs])]``: the packed step's token
+        index, the sequence it belongs to, and the tokens it attends to.
+        """
+        counts = self.query_lens[seqs]
+        rows = np.repeat(seqs, counts)
+        first = self.query_start[rows]
+        offsets = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)  # j within its sequence
+        return first + offsets, rows, (self.context_lens[rows] + 1 + offsets).astype(self.seq_lens.dtype)
+
 
 class AttentionBackend:
     """How one engine computes paged attention on its device.
@@ -78,7 +92,10 @@ class AttentionBackend:
     """
 
     name = "base"
-    inline_decode = False  # may a compiled model trace decode-only steps' attention (DecodeStep)?
+    inline_decode = False  # may a compiled model trace decode-like steps' attention (DecodeStep)?
+    # Prefill chunks of at most this many (query, key) pairs each (a chunk of n new tokens over a
+    # sequence of s tokens has n * s) run as decode queries (StepSequences.decode_queries).
+    inline_chunk_pairs = 0
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -103,8 +120,9 @@ class AttentionBackend:
 
 @dataclass
 class DecodeStep:
-    """A step whose every token is one sequence's next token (padding tokens included, as
-    sequences of one token that read and write the spare slot): attention is then traced into the
+    """A step whose every token attends as one decode query (a sequence's next token, or a token
+    of a small prefill chunk that sees its sequence up to itself: ``StepSequences.decode_queries``;
+    padding tokens as sequences of one token that read and write the spare slot): attention is then traced into the
     compiled layer (:func:`replica.attention_backends.decode_attention`) instead of going through
     the opaque op, which saves the op's Python work and a compiled call per layer.
 

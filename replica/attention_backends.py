@@ -43,6 +43,20 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, block_size: 
     return rows.view(num_seqs, width * block_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
 
+# A prefill chunk of at most this many (query, key) pairs runs as decode queries on Carpool's CPU
+# decode kernel (one query per token, StepSequences.decode_queries) instead of the padded SDPA call;
+# a step of decodes and such chunks only stays in the compiled decode graph. Decided per chunk, so a
+# request's path never depends on its batch mates. Measured on the 2-core machine:
+# docs/bench/cpu-speed.md, "Small prefill chunks on the decode path".
+INLINE_CHUNK_PAIRS = 4096
+
+
+def inline_chunks(step: StepSequences, max_pairs: int) -> np.ndarray:
+    """``[S]`` bool: the sequences that attend as decode queries: decodes, and prefill chunks of at
+    most ``max_pairs`` (query, key) pairs (``query_lens * seq_lens``)."""
+    return (step.query_lens == 1) | (step.query_lens * step.seq_lens <= max_pairs)
+
+
 class ReferenceBackend(AttentionBackend):
     """One SDPA call per sequence, over its whole context gathered from the cache (the test oracle)."""
 
@@ -86,7 +100,7 @@ class CpuBackend(AttentionBackend):
     """
 
     name = "cpu"
-    inline_decode = True  # decode-only steps may trace decode_attention into the compiled layers
+    inline_decode = True  # decode-like steps may trace decode_attention into the compiled layers
 
     def __init__(
         self, block_size: int, device: torch.device, *, compiled: bool, pad_shapes: bool = False,
@@ -96,6 +110,8 @@ class CpuBackend(AttentionBackend):
         self.compiled = compiled
         self.pad_shapes = pad_shapes
         self.kernel = cpu_kernels.load(kernel_cache)
+        # Measured with Carpool's decode kernel only (without it, decodes take a slower formulation).
+        self.inline_chunk_pairs = INLINE_CHUNK_PAIRS if self.kernel else 0
         use_inductor = compiled and not self.kernel
         self._decode_kernel = torch.compile(decode_attention, dynamic=True) if use_inductor else None
 
@@ -103,16 +119,17 @@ class CpuBackend(AttentionBackend):
         bs = self.block_size
         self.num_tokens = step.num_tokens
         self.slot_mapping = torch.from_numpy(step.slot_mapping)
-        decode = np.flatnonzero(step.query_lens == 1)
-        prefill = np.flatnonzero(step.query_lens > 1)
+        inline = inline_chunks(step, self.inline_chunk_pairs)
+        decode, prefill = np.flatnonzero(inline), np.flatnonzero(~inline)
         self.decode = None
-        self.decode_all = len(decode) == step.num_tokens
+        self.decode_all = False
         if len(decode):
-            lens = step.seq_lens[decode]
+            tokens, rows, lens = step.decode_queries(decode)
+            self.decode_all = len(tokens) == step.num_tokens  # no prefill on SDPA, no padding tokens
             width = int(-(-lens.max() // bs))
             self.decode = (
-                torch.from_numpy(step.query_start[decode]),
-                torch.from_numpy(np.ascontiguousarray(step.block_tables[decode, :width])),
+                torch.from_numpy(tokens),
+                torch.from_numpy(np.ascontiguousarray(step.block_tables[rows, :width])),
                 torch.from_numpy(lens),
                 width,
             )

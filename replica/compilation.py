@@ -15,11 +15,11 @@ of each decoder layer.
 * **Compiled decoder.** :func:`compile_decoder` compiles the model's decoder (embedding, every
   layer, final norm) with ``torch.compile`` (inductor) as one graph: norms, rotary, activations
   and residual adds fuse into a few kernels, and the per-op Python dispatch disappears. Attention is
-  the opaque ``carpool::paged_attention`` op, except in decode-only steps, whose attention is
+  the opaque ``carpool::paged_attention`` op, except in decode-like steps, whose attention is
   Carpool's C++ kernel traced into the graph (``replica.attention.DecodeStep``). The step's sizes
   (tokens, block-table width) are marked dynamic (:func:`mark_step_dynamic`) and kept at 2 or more
-  (dynamo gives size 1 a graph of its own), so two graphs serve every step: one for decode-only
-  steps, one for the rest. Measured against compiling each decoder layer on its own (one graph,
+  (dynamo gives size 1 a graph of its own), so two graphs serve every step: one for decode-like
+  steps (decodes, and small prefill chunks as one decode query per token), one for the rest. Measured against compiling each decoder layer on its own (one graph,
   30 calls): 26.5 vs 28.9 ms per 4-seat SmolLM2 decode step, the difference being dynamo's
   per-call guard checks and wrapper code. Compiled code is cached on disk
   (:func:`use_compile_cache`), so a restart loads it instead of compiling again (SmolLM2 on the
@@ -114,7 +114,7 @@ def compile_decoder(model: torch.nn.Module) -> None:
     """torch.compile the model's whole decoder (embedding, every layer, final norm) as one graph.
 
     Callers mark the step's varying sizes dynamic (:func:`mark_step_dynamic`) and keep them at 2 or
-    more, so that one graph serves every decode-only step and one every other step.
+    more, so that one graph serves every decode-like step and one every other step.
     """
     import torch._inductor.config
 

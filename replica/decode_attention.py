@@ -1,6 +1,7 @@
-"""Decode attention (one query token per sequence) read through block tables, for the decode-only
-steps whose attention is traced into the compiled decoder layers (``replica.attention.DecodeStep``)
-and for the CPU backend's fallback.
+"""Decode attention (one query token per sequence, or per token of a small prefill chunk, each seeing
+its sequence up to itself) read through block tables, for the decode-like steps whose attention is
+traced into the compiled decoder layers (``replica.attention.DecodeStep``) and for the CPU
+backend's fallback.
 
 :func:`decode_step_attention` uses Carpool's CPU kernel when it is built
 (:mod:`replica.cpu_kernels`), else :func:`decode_attention`, a formulation in torch ops that

@@ -11,9 +11,9 @@ Fast paths (:mod:`replica.compilation`): on CPU in bfloat16/float16 the linear l
 oneDNN-prepacked weights and every step is padded to a few token counts
 (:func:`replica.shapes.padded_size`); with ``compile`` (the default) the decoder layers are
 compiled with torch.compile. ``compile=False`` runs the same model eagerly. Compiled on CPU, a step
-of decodes and small prefill chunks (:data:`INLINE_CHUNK_PAIRS`) runs its attention as one decode
-query per token, inside the compiled graph (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only
-steps replay CUDA graphs (:mod:`replica.cuda_graphs`).
+of decodes and small prefill chunks (``attention_backends.INLINE_CHUNK_PAIRS``) runs its attention
+as one decode query per token inside the compiled graph (:meth:`ModelRunner.decode_arrays`). On
+CUDA, decode-only steps replay CUDA graphs (:mod:`replica.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from replica import cpu_kernels
 from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
-from replica.attention_backends import CpuBackend, ReferenceBackend
+from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chunks
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.input_batch import InputBatch, to_device
@@ -43,11 +42,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
-# A compiled CPU step whose prefill chunks have at most this many (query, key) pairs in all (a chunk
-# of n new tokens over a sequence of s tokens has n * s) runs them on the decode path, one decode
-# query per token (ModelRunner.decode_arrays). Measured on the 2-core machine: docs/bench/cpu-speed.md,
-# "Small prefill chunks on the decode path".
-INLINE_CHUNK_PAIRS = 32768
 
 
 @dataclass
@@ -156,8 +150,6 @@ class ModelRunner:
             compile_decoder(self.model)
         # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
         self.min_step_tokens = 2 if compile else 1
-        # Measured with Carpool's decode kernel only; without it the decode path is a compiled fallback.
-        self.inline_chunk_pairs = INLINE_CHUNK_PAIRS if cpu_kernels.available() else 0
         # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
         # a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
@@ -275,11 +267,9 @@ class ModelRunner:
         num_real = int(seqs.query_lens.sum())
         extra = seqs.num_tokens - num_real
         tables, lens = seqs.block_tables, seqs.seq_lens
-        if num_real != seqs.num_seqs:  # prefill chunks: one row per token
-            rows = np.repeat(np.arange(seqs.num_seqs), seqs.query_lens)
-            first = np.repeat(seqs.query_start[:-1], seqs.query_lens)
+        if num_real != seqs.num_seqs:  # prefill chunks: one row per token, in token order
+            _, rows, lens = seqs.decode_queries(np.arange(seqs.num_seqs))
             tables = tables[rows]
-            lens = (seqs.context_lens[rows] + 1 + np.arange(num_real) - first).astype(lens.dtype)
         if tables.shape[1] < self.min_step_tokens:
             tables = np.concatenate([tables, np.full((len(tables), 1), self.num_blocks, dtype=tables.dtype)], axis=1)
         if extra:
@@ -301,8 +291,7 @@ class ModelRunner:
             # Small prefill chunks run as one decode query per token (decode_arrays): the step
             # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
             # of the opaque op's gather, padding and SDPA per layer.
-            chunks = seqs.query_lens > 1
-            decode_like = all_decodes or int((seqs.query_lens * seqs.seq_lens)[chunks].sum()) <= self.inline_chunk_pairs
+            decode_like = all_decodes or bool(inline_chunks(seqs, self.backend.inline_chunk_pairs).all())
         if self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs and not inputs.prompt_spans:
             with record_function("carpool.forward"):
                 n = seqs.num_seqs

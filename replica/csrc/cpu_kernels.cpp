@@ -2,7 +2,9 @@
 // on prepacked weights (Carpool's bf16 kernel on AVX512-BF16, else oneDNN).
 //
 // Paged decode attention for CPU: one query token per sequence, reading K/V in place through the
-// sequence's block table (no gathered copy), GQA without repeating heads, softmax in float32.
+// sequence's block table (no gathered copy), GQA without repeating heads, softmax in float32. The
+// engine also runs each token of a small prefill chunk as such a "sequence": its sequence's block
+// table, and seq_lens up to itself (causal attention one query at a time; all K/V written first).
 //
 // Op carpool_cpu::decode_attention (schema below) first writes the step's new K/V at
 // slot_mapping, then, for every sequence s and KV head g, runs the online softmax of

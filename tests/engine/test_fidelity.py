@@ -119,31 +119,40 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
     assert_idle(llm.engine)
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the decode path for prefill chunks is the compiled CPU backend's")
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the decode path for prefill chunks is the CPU backend's")
+@pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_small_prefill_chunks_on_the_decode_path_match_the_sdpa_path(tiny_model_factory, family):
-    """Compiled on CPU, a step with small prefill chunks runs each chunk token as a decode query
-    (``ModelRunner.decode_arrays``); with that turned off the same steps go through the backend's
-    padded SDPA. Both give transformers' tokens, and each path really ran (the SDPA path plans
-    the step with the backend, the decode path does not)."""
+def test_small_prefill_chunks_as_decode_queries_match_sdpa(tiny_model_factory, family, compile_):
+    """The CPU backend runs a small prefill chunk as one decode query per token
+    (``StepSequences.decode_queries``; compiled, a step of such chunks and decodes stays in the
+    decode graph); with that turned off every chunk goes through the padded SDPA call. Both give
+    transformers' tokens, and each path really ran (the decode graph never asks the backend to
+    plan; eager, the plan puts the chunks on the decode kernel or on SDPA)."""
     path = tiny_model_factory(family)
     expected = reference_tokens(path, WORKLOAD)
-    for pairs in (0, None):
-        llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, max_num_batched_tokens=24)
-        runner = llm.engine.runner
-        if not runner.inline_chunk_pairs:
-            pytest.skip("Carpool's CPU kernels are not built: the decode path takes no prefill chunks")
-        if pairs is not None:
-            runner.inline_chunk_pairs = pairs
-        plans = []
-        plan = runner.backend.plan
-        runner.backend.plan = lambda step: (plans.append(step.num_tokens), plan(step))[1]
+    for off in (True, False):
+        llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, max_num_batched_tokens=24, compile=compile_)
+        backend = llm.engine.runner.backend
+        if not backend.inline_chunk_pairs:
+            pytest.skip("Carpool's CPU kernels are not built: prefill chunks always take SDPA")
+        if off:
+            backend.inline_chunk_pairs = 0
+        on_sdpa = []
+        plan = backend.plan
+
+        def counting_plan(step):
+            plan(step)
+            on_sdpa.append(backend.prefill is not None)
+
+        backend.plan = counting_plan
         got, _ = run_engine(llm, WORKLOAD, "staggered")
-        assert got == expected, f"inline_chunk_pairs={runner.inline_chunk_pairs}"
-        if pairs == 0:
-            assert len(plans) > 20  # every step with a prefill chunk went through SDPA
+        assert got == expected, f"inline_chunk_pairs={backend.inline_chunk_pairs}"
+        if off:
+            assert sum(on_sdpa) > 20  # every step with a prefill chunk used SDPA
         else:
-            assert plans == []  # 24-token chunks over at most 90 tokens: all on the decode path
+            # 24-token chunks over at most 90 tokens (2,160 pairs): none on SDPA; compiled, the
+            # decode graph took every step without a plan.
+            assert not any(on_sdpa) and (on_sdpa == [] or not compile_)
         assert_idle(llm.engine)
 
 
