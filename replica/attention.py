@@ -122,9 +122,10 @@ class AttentionBackend:
 class DecodeStep:
     """A step whose every token attends as one decode query (a sequence's next token, or a token
     of a small prefill chunk that sees its sequence up to itself: ``StepSequences.decode_queries``;
-    padding tokens as sequences of one token that read and write the spare slot): attention is then traced into the
-    compiled layer (:func:`replica.attention_backends.decode_attention`) instead of going through
-    the opaque op, which saves the op's Python work and a compiled call per layer.
+    padding tokens as sequences of one token that read and write the spare slot): attention is
+    then traced into the compiled layer (:func:`replica.attention_backends.decode_attention`)
+    instead of going through the opaque op, which saves the op's Python work and a compiled call
+    per layer.
 
     Shapes: ``slot_mapping`` ``[T]``, ``block_tables`` ``[T, W]``, ``seq_lens`` ``[T]``.
     """

@@ -19,9 +19,10 @@ of each decoder layer.
   Carpool's C++ kernel traced into the graph (``replica.attention.DecodeStep``). The step's sizes
   (tokens, block-table width) are marked dynamic (:func:`mark_step_dynamic`) and kept at 2 or more
   (dynamo gives size 1 a graph of its own), so two graphs serve every step: one for decode-like
-  steps (decodes, and small prefill chunks as one decode query per token), one for the rest. Measured against compiling each decoder layer on its own (one graph,
-  30 calls): 26.5 vs 28.9 ms per 4-seat SmolLM2 decode step, the difference being dynamo's
-  per-call guard checks and wrapper code. Compiled code is cached on disk
+  steps (decodes, and small prefill chunks as one decode query per token), one for the rest.
+  Measured against compiling each decoder layer on its own (one graph, 30 calls): 26.5 vs 28.9 ms
+  per 4-seat SmolLM2 decode step, the difference being dynamo's per-call guard checks and wrapper
+  code. Compiled code is cached on disk
   (:func:`use_compile_cache`), so a restart loads it instead of compiling again (SmolLM2 on the
   2-core machine: 82 s the first time, 16 s after).
 """
@@ -67,8 +68,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
 
     With Carpool's CPU kernels, a bf16 model and AVX512-BF16, each weight is packed for Carpool's
     bf16 kernel instead, which serves every number of rows (faster than oneDNN up to about 128,
-    even with it above) and gives each row the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``); no oneDNN
-    copy is kept then. The original weight is released (an empty tensor of its dtype stays as
+    even with it above) and gives each row the same result whatever its batch (see
+    ``replica/csrc/cpu_kernels.cpp``); no oneDNN copy is kept then. The original weight is released (an empty tensor of its dtype stays as
     ``weight``), unless the input embedding shares it (a tied output embedding). Returns the number
     of layers packed: 0 unless the model is bfloat16 or float16 and this CPU's oneDNN computes that
     type (float16 needs avx512_fp16 or avx_ne_convert).

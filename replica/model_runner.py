@@ -288,10 +288,6 @@ class ModelRunner:
             seqs = inputs.sequences
             arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
             all_decodes = bool((seqs.query_lens == 1).all())
-            # Small prefill chunks run as one decode query per token (decode_arrays): the step
-            # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
-            # of the opaque op's gather, padding and SDPA per layer.
-            decode_like = all_decodes or bool(inline_chunks(seqs, self.backend.inline_chunk_pairs).all())
         if self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs and not inputs.prompt_spans:
             with record_function("carpool.forward"):
                 n = seqs.num_seqs
@@ -301,7 +297,12 @@ class ModelRunner:
             if logits is not None:
                 return self._sample(out, inputs, logits)
         with record_function("carpool.prepare_inputs"):
-            decode_only = self.compiled and self.backend.inline_decode and decode_like
+            # Small prefill chunks run as one decode query per token (decode_arrays): the step
+            # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
+            # of the opaque op's gather, padding and SDPA per layer.
+            decode_only = self.compiled and self.backend.inline_decode and (
+                all_decodes or bool(inline_chunks(seqs, self.backend.inline_chunk_pairs).all())
+            )
             if decode_only:
                 arrays += self.decode_arrays(seqs)
             else:

@@ -310,7 +310,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
 
 // ---- bf16 linear on AVX512-BF16, any number of rows ---------------------------------------------
 // The weight comes packed for the dot-product instruction vdpbf16ps (16 outputs x 2 k-values per
-// 64-byte load, x's k-pair broadcast). The micro-kernel (gemv_rows) computes a block of up to 16
+// 64-byte load, x's k-pair broadcast). The micro-kernel (gemv_rows) computes one block of up to 16
 // rows x 16 outputs over the whole of K; rows are taken 16 at a time under each group of 16 outputs,
 // so the group's packed weight is read from memory once and reused from L1/L2 for every row block.
 // Each output is the sum over k in ascending pairs, accumulated in float32 and rounded to bf16
@@ -351,24 +351,22 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
 #if defined(__AVX512BF16__)
 template <int M>
 void gemv_rows(const uint32_t* __restrict x, int64_t pairs, const __m512bh* __restrict w, const float* __restrict bias,
-               at::BFloat16* __restrict y, int64_t N, int64_t group_begin, int64_t group_end) {
-  for (int64_t group = group_begin; group < group_end; ++group) {
-    __m512 acc[M];
-    const int64_t n0 = group * 16;
-    const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    const __m512bh* wp = w + group * pairs;
-    for (int64_t p = 0; p < pairs; ++p) {
-      // The address may lie past the packed weight: a prefetch never faults (computed as an integer).
-      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wp + p) + kPrefetchAhead * 64), _MM_HINT_T0);
-      const __m512bh wv = wp[p];
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(x[m * pairs + p]));
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m256bh out = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m], b) : acc[m]);
-      _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)out);
-    }
+               at::BFloat16* __restrict y, int64_t N, int64_t group) {
+  __m512 acc[M];
+  const int64_t n0 = group * 16;
+  const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512bh* wp = w + group * pairs;
+  for (int64_t p = 0; p < pairs; ++p) {
+    // The address may lie past the packed weight: a prefetch never faults (computed as an integer).
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wp + p) + kPrefetchAhead * 64), _MM_HINT_T0);
+    const __m512bh wv = wp[p];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_set1_epi32(x[m * pairs + p]));
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m256bh out = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m], b) : acc[m]);
+    _mm256_mask_storeu_epi16(y + m * N + n0, mask, (__m256i)out);
   }
 }
 
@@ -402,7 +400,7 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::o
         switch (std::min<int64_t>(kRowBlock, rows - r0)) {
 #define CARPOOL_ROWS(m) \
   case m:               \
-    gemv_rows<m>(xr, pairs, wb, bb, yr, N, group, group + 1); \
+    gemv_rows<m>(xr, pairs, wb, bb, yr, N, group); \
     break;
           CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5) CARPOOL_ROWS(6)
           CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10) CARPOOL_ROWS(11) CARPOOL_ROWS(12)
