@@ -1,19 +1,21 @@
-"""Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp``), built on first use with torch's C++
-extension loader and cached: paged decode attention, and linear layers on prepacked weights
-(``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, at any number of rows and
-batch-invariant, oneDNN otherwise, called without Python in between).
+"""Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp`` and ``cpu_sampling.cpp``), built
+on first use with torch's C++ extension loader and cached: paged decode attention, linear layers
+on prepacked weights (``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, at any
+number of rows and batch-invariant, oneDNN otherwise, called without Python in between), and the
+sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
 torch's own options read each sequence's context far below what the core can do. Measured on the
 2-core development machine, one thread, 100 decode sequences of 40 to 240 cached tokens, SmolLM2's
 9 query / 3 KV heads of 64, bf16, per layer: SDPA on gathered contexts 30 ms, flex attention
-(paged block mask) 124 ms, an inductor-compiled gather-and-reduce formulation 7.2 ms, this kernel
-see ``docs/bench/cpu-attention.md``. It is tested against the reference backend (SDPA).
+(paged block mask) 124 ms, an inductor-compiled gather-and-reduce formulation 7.2 ms; this
+kernel's figures are in ``docs/bench/cpu-attention.md``. It is tested against the reference
+backend (SDPA). The sampling kernels' reasons are at the top of their source.
 
-:func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the op
-the ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
-``has_bf16_gemv``, ``argmax_rows``); it returns False, once with a warning, where they cannot be
-built (the engine then uses the compiled formulation).
+:func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the
+``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
+``has_bf16_gemv``, ``argmax_rows``, ``sample_rows``); it returns False, once with a warning,
+where they cannot be built (the engine then uses the compiled formulation and torch's sampling).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = [SOURCE, SOURCE.with_name("cpu_sampling.cpp")]
 _state: dict[str, bool] = {}
 
 
@@ -54,7 +57,7 @@ def load(cache_root: str | None = None) -> bool:
 
         load_extension(
             name="carpool_cpu_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
             is_python_module=False,
             verbose=False,

@@ -20,12 +20,17 @@ The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
 4. **Random rows**: divide by the temperature, then truncate in Hugging Face's order: top-k,
    top-p (nucleus sampling, Holtzman et al. 2019, arXiv:1904.09751), min-p (Nguyen et al. 2024,
    arXiv:2407.01082; its mask is the same before or after top-k/top-p, being a ratio to p_max).
-   Then sample with the *exponential race* that vLLM's sampler uses:
-   ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with
-   probability ``probs[i]`` (it is the Gumbel-max trick in disguise) and needs no CPU sync.
-   A seeded request draws its ``q`` only from its own ``torch.Generator``, so its samples do not
-   depend on its batch mates or its row index; unseeded rows share one draw from the default
-   generator.
+   Then draw. On CPU with Carpool's kernels built, by *inversion*
+   (``carpool_cpu::sample_rows``, ``replica/csrc/cpu_sampling.cpp``): the first token whose
+   running sum of ``probs`` exceeds ``u`` times their total, with one uniform ``u`` per row, about
+   ten times faster than the race below (one random number per row instead of one per token).
+   Elsewhere, with the *exponential race* that vLLM's sampler uses: ``argmax(probs / q)`` with
+   ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with probability ``probs[i]`` (it is
+   the Gumbel-max trick in disguise) and needs no CPU sync. Either way a seeded request draws only
+   from its own ``torch.Generator``, so its samples do not depend on its batch mates or its row
+   index; unseeded rows share one draw from the default generator. The two methods draw from the
+   same distribution but not the same tokens for a seed: a seed reproduces its tokens on one kind
+   of device.
 5. **Logprobs** (rows that ask): log-softmax of the *raw* logits (before logit bias, penalties
    and temperature, as vLLM reports them), the sampled token's logprob and rank, and the top ``k``.
 
@@ -73,6 +78,22 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 and cpu_kernels.available():
         return torch.ops.carpool_cpu.argmax_rows(logits)
     return logits.float().argmax(dim=-1)
+
+
+def _row_uniforms(requests: Sequence[Request]) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row, ``[n]`` float64: a seeded request's from its own
+    generator (so its draw does not depend on its batch mates), the others' from one draw of the
+    default generator."""
+    uniforms = torch.empty(len(requests), dtype=torch.float64)
+    unseeded = [j for j, r in enumerate(requests) if r.generator is None]
+    if len(unseeded) == len(requests):
+        return uniforms.uniform_()
+    if unseeded:
+        uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for j, r in enumerate(requests):
+        if r.generator is not None:
+            uniforms[j] = torch.rand(1, dtype=torch.float64, generator=r.generator)
+    return uniforms
 
 
 def _plain_greedy(request: Request) -> bool:
@@ -318,8 +339,11 @@ class Sampler:
                 token_ids[index] = work.index_select(0, index).argmax(dim=-1)
         if random_rows:
             index = torch.tensor(random_rows, device=device)
-            if len(random_rows) == num_rows and work is not raw:
-                owned = work  # already our own copy, and no greedy row reads it any more
+            raw_needed = raw is logits or any(r.sampling_params.logprobs is not None for r in requests)
+            if len(random_rows) == num_rows and (work is not raw or not raw_needed):
+                # Already our own copy (or a float32 conversion no one reads later), and no
+                # greedy row reads it any more.
+                owned = work
             else:
                 owned = work.index_select(0, index)
             token_ids[index] = self._sample_random(owned, [requests[i] for i in random_rows])
@@ -345,7 +369,8 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then the exponential race; ``[n]`` token ids.
+        """Temperature, top-k, top-p, min-p, then the draw (inversion on CPU, else the exponential
+        race); ``[n]`` token ids.
 
         ``logits``: ``[n, V]`` float32, owned by this call (overwritten in place).
         """
@@ -353,7 +378,8 @@ class Sampler:
         device = logits.device
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        logits.div_(temperature.unsqueeze(1))  # the caller hands over a tensor it owns
+        if any(p.temperature != 1.0 for p in params):
+            logits.div_(temperature.unsqueeze(1))  # the caller hands over a tensor it owns
 
         # Truncation: only on the rows that ask for it.
         trunc_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0]
@@ -371,6 +397,8 @@ class Sampler:
                 sub = apply_min_p(sub, torch.tensor([p.min_p for p in sub_params], dtype=torch.float32, device=device))
             logits.index_copy_(0, index, sub)
 
+        if device.type == "cpu" and cpu_kernels.available():
+            return torch.ops.carpool_cpu.sample_rows(logits, _row_uniforms(requests))
         # Exponential race: with q ~ Exp(1) i.i.d., argmax(probs / q) ~ Categorical(probs). The
         # softmax's normalization does not change the argmax, so exp(x - max) stands in for probs.
         probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [n, V], in place

@@ -135,3 +135,45 @@ def test_argmax_rows_equals_torch(rows, vocab):
     logits = torch.randn(rows, vocab, generator=g).bfloat16()
     logits[0, vocab // 2] = logits[0, vocab // 3] = 50.0  # a tie: the first index wins, as in torch
     assert torch.equal(torch.ops.carpool_cpu.argmax_rows(logits), logits.float().argmax(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [1, 7, 512, 513, 49152])
+def test_sample_rows_is_the_inversion_of_the_softmax(vocab):
+    """Each row's token is the first whose running sum of softmax(logits) (float64 here) exceeds
+    u times the total; a token at -inf is never drawn, whatever u."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 48
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[1::3, 1::2] = float("-inf")  # banned tokens, as truncation and masks leave them
+    logits[2, :] = float("-inf")
+    logits[2, vocab // 2] = 0.5  # a single allowed token
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=g)
+    uniforms[3], uniforms[4] = 0.0, 1.0 - 2**-53  # both ends of [0, 1)
+    tokens = torch.ops.carpool_cpu.sample_rows(logits, uniforms)
+    cumulative = logits.double().softmax(-1).cumsum(-1)
+    expected = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    expected = expected.clamp(max=vocab - 1)  # u * total rounding up to the total
+    last_allowed = torch.where(torch.isfinite(logits), torch.arange(vocab), -1).amax(-1)
+    expected[4] = last_allowed[4]  # u just below 1: the last token with mass
+    assert torch.equal(tokens, expected)
+    assert torch.isfinite(logits[torch.arange(rows), tokens]).all()
+    assert int(tokens[2]) == vocab // 2
+
+
+@needs_kernels
+def test_sample_rows_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 20_000
+    tokens = torch.ops.carpool_cpu.sample_rows(probs.log().expand(n, 5).contiguous(), torch.rand(n, dtype=torch.float64))
+    counts = torch.bincount(tokens, minlength=5) / n
+    assert torch.allclose(counts, probs, atol=0.015)
+    assert counts[4] == 0
+
+
+@needs_kernels
+def test_sample_rows_refuses_bad_input():
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.carpool_cpu.sample_rows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="uniform per row"):
+        torch.ops.carpool_cpu.sample_rows(torch.zeros(2, 4), torch.zeros(3, dtype=torch.float64))

@@ -1,4 +1,7 @@
-"""Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logit_bias, logprobs."""
+"""Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logit_bias, logprobs.
+
+Every test runs with both draws of random rows: the exponential race (torch; CUDA, or CPU without
+Carpool's kernels) and the inversion kernel (``carpool_cpu::sample_rows``, CPU)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from replica import cpu_kernels
+from replica.model_loader import cache_dir
 from replica.request import Request, SamplingParams
 from replica.sampler import (
     Sampler,
@@ -45,6 +50,23 @@ def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3
 
 
 sampler = Sampler()
+
+
+@pytest.fixture(autouse=True, params=["race", "inversion"])
+def draw(request, monkeypatch) -> str:
+    """How random rows are drawn: torch's exponential race, or Carpool's CPU inversion kernel."""
+    if request.param == "race":
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.load(str(cache_dir() / "torch_extensions")):
+        pytest.skip("Carpool's CPU kernels could not be built (no C++ compiler)")
+    return request.param
+
+
+def inversion(probs: torch.Tensor, u: float) -> int:
+    """The reference draw by inversion: the first token whose running sum of ``probs`` (float64)
+    exceeds ``u`` times their total."""
+    cumulative = probs.double().cumsum(-1)
+    return int(torch.searchsorted(cumulative, u * cumulative[-1], right=True))
 
 
 def test_greedy_is_argmax_and_input_untouched():
@@ -96,12 +118,17 @@ def test_seeded_samples_do_not_depend_on_batch_mates():
     assert draw_sequence(seed=42, position=6, batch_size=7) == alone
 
 
-def test_seeded_row_uses_exponential_race_on_its_own_generator():
+def test_seeded_row_draws_from_its_own_generator(draw):
     logits = random_logits(3, scale=1.0)
     reqs = [make_request(), make_request(seed=123, temperature=0.7), make_request(seed=5)]
     token = sampler(logits, reqs).token_ids[1]
-    noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(123))
-    assert token == int(((logits[1] / 0.7).softmax(-1) / noise).argmax())
+    probs = (logits[1] / 0.7).softmax(-1)
+    own = torch.Generator().manual_seed(123)
+    if draw == "race":
+        noise = torch.empty(VOCAB).exponential_(generator=own)
+        assert token == int((probs / noise).argmax())
+    else:
+        assert token == inversion(probs, float(torch.rand(1, dtype=torch.float64, generator=own)))
 
 
 def test_different_seeds_differ():
