@@ -58,12 +58,17 @@ def load(cache_root: str | None = None) -> bool:
         load_extension(
             name="carpool_cpu_kernels",
             sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+            # -fopenmp: at::parallel_for splits the kernels' loops over torch's threads only
+            # in code built with OpenMP (ATen/Parallel.h); without it they ran on one thread.
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, ...
-        logger.warning("Carpool's CPU attention kernel could not be built (%s); using the compiled fallback", exc)
+        logger.warning(
+            "Carpool's CPU kernels could not be built (%s); using the compiled attention and torch's sampling", exc
+        )
         _state["ok"] = False
         return False
 

@@ -29,8 +29,8 @@ The pipeline for a batch (``N`` rows, vocabulary ``V``), all in float32:
    the Gumbel-max trick in disguise) and needs no CPU sync. Either way a seeded request draws only
    from its own ``torch.Generator``, so its samples do not depend on its batch mates or its row
    index; unseeded rows share one draw from the default generator. The two methods draw from the
-   same distribution but not the same tokens for a seed: a seed reproduces its tokens on one kind
-   of device.
+   same distribution but not the same tokens for a seed: a seed reproduces its tokens among CPUs
+   where Carpool's kernels build, or among machines that use the race, not across the two.
 5. **Logprobs** (rows that ask): log-softmax of the *raw* logits (before logit bias, penalties
    and temperature, as vLLM reports them), the sampled token's logprob and rank, and the top ``k``.
 
@@ -49,6 +49,7 @@ from torch.profiler import record_function
 
 from replica import cpu_kernels
 from replica.logprobs import token_logprobs
+from replica.model_loader import cache_dir
 from replica.request import Request, TokenLogprobs
 from replica.structured_output import apply_grammar_masks
 
@@ -78,6 +79,13 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 and cpu_kernels.available():
         return torch.ops.carpool_cpu.argmax_rows(logits)
     return logits.float().argmax(dim=-1)
+
+
+def cpu_inversion() -> bool:
+    """Whether random rows on CPU are drawn by Carpool's inversion kernel: yes wherever the CPU
+    kernels build (built or loaded here if no one did yet), whatever the attention backend, so
+    that a seed's tokens do not depend on which engine loaded them first."""
+    return cpu_kernels.load(str(cache_dir() / "torch_extensions"))
 
 
 def _row_uniforms(requests: Sequence[Request]) -> torch.Tensor:
@@ -397,7 +405,7 @@ class Sampler:
                 sub = apply_min_p(sub, torch.tensor([p.min_p for p in sub_params], dtype=torch.float32, device=device))
             logits.index_copy_(0, index, sub)
 
-        if device.type == "cpu" and cpu_kernels.available():
+        if device.type == "cpu" and cpu_inversion():
             return torch.ops.carpool_cpu.sample_rows(logits, _row_uniforms(requests))
         # Exponential race: with q ~ Exp(1) i.i.d., argmax(probs / q) ~ Categorical(probs). The
         # softmax's normalization does not change the argmax, so exp(x - max) stands in for probs.

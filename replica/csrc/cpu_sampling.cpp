@@ -3,7 +3,8 @@
 // Op carpool_cpu::sample_rows(logits [rows, vocab] float32, uniforms [rows] float64) -> [rows]
 // int64. Row r draws token i with probability softmax(logits[r])[i], by inversion: the first i
 // whose running sum of exp(logits[r][j] - max) over j <= i exceeds uniforms[r] * (their total).
-// Tokens at -inf (banned by truncation, masks or a logit bias) have no mass and are never drawn.
+// Tokens at -inf (banned by truncation, masks or a logit bias) have no mass and are never drawn;
+// a logit at +inf (an overflow, e.g. a tiny repetition penalty) takes the row, as in the race.
 // The caller applies the temperature and truncation first, and draws one uniform in [0, 1) per
 // row (a seeded request from its own generator, so its draw does not depend on its batch mates).
 //
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -30,17 +32,23 @@ constexpr int64_t kChunk = 512;  // tokens per partial sum
 // exp(d) for d below this is under float32's smallest normal: counted as no mass.
 constexpr float kMinExponent = -87.0f;
 
-inline bool finite_bits(float v) {
+inline uint32_t bits_of(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7f800000u) != 0x7f800000u;  // exponent not all ones: neither inf nor nan
+  return bits;
 }
+constexpr uint32_t kPlusInf = 0x7f800000u;
+inline bool finite_bits(float v) { return (bits_of(v) & kPlusInf) != kPlusInf; }  // neither inf nor nan
 
 // One row: weights e[i] = exp(x[i] - max) and their per-chunk sums, then the inversion.
 int64_t sample_row(const float* __restrict x, int64_t vocab, double u, float* __restrict e, std::vector<double>& sums) {
   float m = x[0];
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < vocab; ++i) m = std::max(m, x[i]);
+  if (bits_of(m) == kPlusInf) {  // +inf (an overflow) outweighs every finite logit: the first such token
+    for (int64_t i = 0; i < vocab; ++i)
+      if (bits_of(x[i]) == kPlusInf) return i;
+  }
   if (!finite_bits(m)) return 0;  // no finite logit (every token banned, or nan): no distribution
 
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
@@ -97,9 +105,9 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniforms) {
   const double* uu = u.data_ptr<double>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> e(vocab);
+    std::unique_ptr<float[]> e(new float[vocab]);  // scratch of this thread, not zero-filled
     std::vector<double> sums;
-    for (int64_t r = begin; r < end; ++r) o[r] = sample_row(base + r * vocab, vocab, uu[r], e.data(), sums);
+    for (int64_t r = begin; r < end; ++r) o[r] = sample_row(base + r * vocab, vocab, uu[r], e.get(), sums);
   });
   return out;
 }

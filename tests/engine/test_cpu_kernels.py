@@ -162,10 +162,20 @@ def test_sample_rows_is_the_inversion_of_the_softmax(vocab):
 
 
 @needs_kernels
+def test_sample_rows_gives_a_plus_infinite_logit_its_row():
+    """An overflow to +inf takes the row (as the race and argmax do), never a banned token."""
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 0.0, inf, 1.0, inf], [-inf, -inf, -inf, -inf, -inf]])
+    tokens = torch.ops.carpool_cpu.sample_rows(logits, torch.tensor([0.9, 0.5], dtype=torch.float64))
+    assert tokens.tolist() == [2, 0]  # the first +inf; a row with nothing allowed gives 0
+
+
+@needs_kernels
 def test_sample_rows_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     n = 20_000
-    tokens = torch.ops.carpool_cpu.sample_rows(probs.log().expand(n, 5).contiguous(), torch.rand(n, dtype=torch.float64))
+    uniforms = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tokens = torch.ops.carpool_cpu.sample_rows(probs.log().expand(n, 5).contiguous(), uniforms)
     counts = torch.bincount(tokens, minlength=5) / n
     assert torch.allclose(counts, probs, atol=0.015)
     assert counts[4] == 0
@@ -177,3 +187,34 @@ def test_sample_rows_refuses_bad_input():
         torch.ops.carpool_cpu.sample_rows(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="uniform per row"):
         torch.ops.carpool_cpu.sample_rows(torch.zeros(2, 4), torch.zeros(3, dtype=torch.float64))
+
+
+@needs_kernels
+def test_the_kernels_give_the_same_bits_on_one_and_two_threads():
+    """The kernels split their loops over torch's threads (at::parallel_for, built with OpenMP):
+    each thread's share and scratch must not change a bit of the result."""
+    query, key, value, key_cache, value_cache, slots, tables, lens, block_size = _decode_case(torch.bfloat16, num_seqs=16)
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(576, 1536, generator=g) / 10).bfloat16()
+    x = torch.randn(1, 40, 1536, generator=g).bfloat16()
+    gemv = torch.ops.carpool_cpu.pack_bf16_weight(weight) if cpu_kernels.has_bf16_gemv() else None
+    onednn = weight.new_empty(0) if gemv is not None else torch.ops.mkldnn._reorder_linear_weight(weight)
+    logits = torch.randn(64, 49152, generator=g) * 3
+    uniforms = torch.rand(64, dtype=torch.float64, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        kc, vc = key_cache.clone(), value_cache.clone()
+        attention = torch.ops.carpool_cpu.decode_attention(query, key, value, kc, vc, slots, tables, lens, block_size, 0.125)
+        linear = torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, None, 576)
+        return [attention, kc, vc, linear, torch.ops.carpool_cpu.sample_rows(logits, uniforms)]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)

@@ -16,8 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from replica import cpu_kernels
-from replica.model_loader import cache_dir
+from replica import sampler as sampler_module
 from replica.request import Request, SamplingParams
 from replica.sampler import (
     Sampler,
@@ -56,8 +55,8 @@ sampler = Sampler()
 def draw(request, monkeypatch) -> str:
     """How random rows are drawn: torch's exponential race, or Carpool's CPU inversion kernel."""
     if request.param == "race":
-        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    elif not cpu_kernels.load(str(cache_dir() / "torch_extensions")):
+        monkeypatch.setattr(sampler_module, "cpu_inversion", lambda: False)
+    elif not sampler_module.cpu_inversion():
         pytest.skip("Carpool's CPU kernels could not be built (no C++ compiler)")
     return request.param
 
@@ -424,3 +423,24 @@ def test_logit_bias_valid_values():
     assert SamplingParams(logit_bias={i: -1 for i in range(1024)}).logit_bias[1023] == -1.0
     assert SamplingParams(logit_bias={}).logit_bias == {}
     assert SamplingParams().logit_bias is None
+
+
+def test_bf16_logprobs_come_from_the_raw_logits_when_every_row_is_random():
+    """The float32 copy of bf16 logits is sampled in place only when no row needs it raw."""
+    logits = random_logits(3, scale=2.0).bfloat16()
+    reqs = [make_request(temperature=0.5, logprobs=2, seed=1), make_request(temperature=0.7, seed=2), make_request(temperature=1.3)]
+    out = sampler(logits, reqs)
+    expected = torch.log_softmax(logits[0].float(), -1)
+    entry = out.logprobs[0]
+    assert entry is not None
+    assert math.isclose(entry.logprob, float(expected[out.token_ids[0]]), rel_tol=1e-6, abs_tol=1e-6)
+    assert out.logprobs[1] is None and out.logprobs[2] is None
+
+
+def test_a_logit_at_plus_infinity_takes_the_row_and_banned_tokens_stay_banned():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = float("-inf")  # banned (as min_tokens bans EOS)
+    logits[0, 9] = float("inf")  # overflowed (e.g. a tiny repetition penalty)
+    tokens = sampler(logits, [make_request(seed=1), make_request(seed=2)]).token_ids
+    assert tokens[0] == 9
+    assert tokens[1] != 0
