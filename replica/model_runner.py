@@ -34,7 +34,7 @@ from replica.kv_cache import PagedKVCache, kv_bytes_per_block
 from replica.logprobs import token_logprobs
 from replica.model_loader import cache_dir, load_model, resolve_dtype
 from replica.request import TokenLogprobs
-from replica.sampler import Sampler
+from replica.sampler import Sampler, cpu_inversion
 from replica.scheduler import SchedulerOutput
 from replica.shapes import padded_size
 
@@ -154,6 +154,8 @@ class ModelRunner:
         # a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
         self.sampler = Sampler()
+        if self.device.type == "cpu":
+            cpu_inversion()  # build or load the sampling kernel now, not in the first random step
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
 

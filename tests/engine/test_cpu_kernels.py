@@ -190,10 +190,11 @@ def test_sample_rows_refuses_bad_input():
 
 
 @needs_kernels
-def test_the_kernels_give_the_same_bits_on_one_and_two_threads():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bf16's own attention path, and the generic one
+def test_the_kernels_give_the_same_bits_on_one_and_two_threads(dtype):
     """The kernels split their loops over torch's threads (at::parallel_for, built with OpenMP):
     each thread's share and scratch must not change a bit of the result."""
-    query, key, value, key_cache, value_cache, slots, tables, lens, block_size = _decode_case(torch.bfloat16, num_seqs=16)
+    query, key, value, key_cache, value_cache, slots, tables, lens, block_size = _decode_case(dtype, num_seqs=16)
     g = torch.Generator().manual_seed(3)
     weight = (torch.randn(576, 1536, generator=g) / 10).bfloat16()
     x = torch.randn(1, 40, 1536, generator=g).bfloat16()
