@@ -85,7 +85,7 @@ def cpu_inversion() -> bool:
     """Whether random rows on CPU are drawn by Carpool's inversion kernel: yes wherever the CPU
     kernels build (built or loaded here if no one did yet), whatever the attention backend, so
     that a seed's tokens do not depend on which engine loaded them first."""
-    return cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    return cpu_kernels.available() or cpu_kernels.load(str(cache_dir() / "torch_extensions"))
 
 
 def _row_uniforms(requests: Sequence[Request]) -> torch.Tensor:
@@ -385,8 +385,8 @@ class Sampler:
         n, vocab = logits.shape
         device = logits.device
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         if any(p.temperature != 1.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
             logits.div_(temperature.unsqueeze(1))  # the caller hands over a tensor it owns
 
         # Truncation: only on the rows that ask for it.
