@@ -32,9 +32,9 @@ process imports Serve; a value already in the environment wins).
 event loop, not on a second loop in another thread, so each streamed delta skips a hand-over
 between threads in the ingress and in the replica. The mode's other settings stay at Serve's
 defaults: its gRPC transport between deployments left some requests of a burst waiting far longer
-(TTFT p99 28 and 33 s against 9 to 11 s), direct ingress keeps the proxy on the configured port
-and serves from ports of its own, and a router on the caller's loop breaks the CLI's synchronous
-handle calls. Measured in ``docs/bench/cpu-speed.md``.
+(TTFT p99 28 and 33 s against 9 to 11 s), and a router on the caller's loop breaks the CLI's
+synchronous handle calls. Its direct ingress is set by :func:`run` alone, on the configured port
+(:func:`direct_ingress_env`). Measured in ``docs/bench/cpu-speed.md``.
 
 Where it is set: :func:`start_ray` for a local cluster; ``deploy/Dockerfile`` for every process of
 the image; the ``runtime_env`` of ``deploy/serve_config.yaml`` (and ``rayservice.yaml``) for the
@@ -47,6 +47,51 @@ def apply_serve_env() -> None:
     cluster started from here (``ray.init``) passes it to all its processes."""
     for name, value in SERVE_ENV.items():
         os.environ.setdefault(name, value)
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """Ray Serve settings (environment variables of every process of a local cluster) under which
+    the one ingress replica serves HTTP on ``port`` itself: Serve's *direct ingress*, one of the
+    settings of its ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` mode.
+
+    Without it, every request and every streamed event goes through Serve's HTTP proxy, a
+    separate process that relays each event to the client over one more Ray stream. Direct
+    ingress serves the same ASGI app with uvicorn inside the ingress replica; the proxy still
+    runs but no client uses it. At 2 requests/s on 2 cores it cut TTFT p50 from 160 to 99 ms and
+    ITL p50 from 56 to 40 ms (``docs/bench/cpu-speed.md``).
+
+    Serve hands direct-ingress ports out of ``[MIN, MAX)``; a range of exactly ``port`` keeps a
+    replaced ingress replica on the same port. Serve's port quarantine (a delay before a released
+    port is handed out again, for HAProxy) and its minimum draining period (time for an external
+    load balancer to notice a stopping replica) are set to 0: nothing stands in front, and
+    ``carpool serve`` drains the ingress itself before stopping.
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def uses_direct_ingress(config: ServeConfig) -> bool:
+    """Whether :func:`run` serves HTTP from the ingress replica itself (:func:`direct_ingress_env`):
+    ``config.direct_ingress``, one ingress replica, and a local Ray cluster that :func:`run` starts
+    (so its processes get the settings). Needs ``ray`` importable; reads ``ray.is_initialized()``."""
+    import ray
+
+    return config.direct_ingress and config.ingress_replicas == 1 and not config.address and not ray.is_initialized()
+
+
+def free_port(host: str) -> int:
+    """A TCP port of ``host`` that is free now (the OS picks it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
@@ -211,13 +256,21 @@ def app_builder(args: dict[str, Any]):
 
 
 def run(config: ServeConfig) -> str:
-    """Start or join Ray, start Serve's HTTP proxy on ``config.host:config.port``, deploy the app
+    """Start or join Ray, start Serve's HTTP serving on ``config.host:config.port``, deploy the app
     and wait until every replica has loaded its model. Returns the base URL (``http://host:port/v1``).
+
+    With :func:`uses_direct_ingress`, the ingress replica serves ``config.port`` itself and Serve's
+    proxy gets a free port of its own; otherwise the proxy serves ``config.port``.
     """
     from ray import serve
 
+    proxy_port = config.port
+    if uses_direct_ingress(config):
+        os.environ.update(direct_ingress_env(config.port))
+        proxy_port = free_port(config.host)  # the proxy must not take the ingress's port
+        logger.info("direct ingress: the ingress serves port %d; Serve's proxy listens on %d", config.port, proxy_port)
     start_ray(config)
-    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.start(http_options={"host": config.host, "port": proxy_port})
     if config.autoscaling is not None:
         scaling = config.autoscaling
         logger.info("deploying %d to %d autoscaled replica(s) of %s", scaling.min_replicas, scaling.max_replicas, config.engine.model)

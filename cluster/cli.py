@@ -122,6 +122,8 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="CARPOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint but /health."),
     address: Optional[str] = typer.Option(None, help="Join this Ray cluster ('auto', 'host:6379', 'ray://host:10001') instead of starting a local one."),
     dashboard: Optional[bool] = typer.Option(None, "--dashboard/--no-dashboard", help="Start Ray's dashboard with a local cluster (default: no)."),
+    batched_deltas: Optional[bool] = typer.Option(None, "--batched-deltas/--no-batched-deltas", help="Stream tokens from each replica to the ingress over one TCP connection, one message per engine step (default: on; off: one Ray stream item per request per step)."),
+    direct_ingress: Optional[bool] = typer.Option(None, "--direct-ingress/--no-direct-ingress", help="With a local cluster and one ingress replica, the ingress serves HTTP on --port itself, skipping Serve's proxy (default: on)."),
     prefix_aware_routing: Optional[bool] = typer.Option(None, "--prefix-aware-routing/--no-prefix-aware-routing", help="Send a prompt to the free-seat replica most likely to hold its prefix in its KV cache (default: on; off: load alone)."),
     tool_call_parser: Optional[str] = typer.Option(None, help="Format of tool calls with tool_choice auto: auto or hermes (<tool_call> blocks) (default: auto)."),
     tool_chat_template: Optional[Path] = typer.Option(None, help="Jinja chat template for chats with tools (default: the model's own if it renders tools, else Carpool's ChatML one)."),
@@ -158,7 +160,8 @@ def serve(
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
         "api_key": api_key, "address": address, "include_dashboard": dashboard,
-        "prefix_aware_routing": prefix_aware_routing,
+        "prefix_aware_routing": prefix_aware_routing, "direct_ingress": direct_ingress,
+        "batched_deltas": batched_deltas,
         "tool_call_parser": tool_call_parser,
         "tool_chat_template": str(tool_chat_template.resolve()) if tool_chat_template is not None else None,
         "max_waiting_requests": max_waiting_requests, "max_ongoing_requests": max_ongoing_requests,

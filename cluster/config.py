@@ -110,6 +110,15 @@ class ServeConfig(IngressConfig):
         ),
     )
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress (tokenization, SSE).")
+    direct_ingress: bool = Field(
+        True,
+        description=(
+            "When this command starts its own local Ray cluster and runs one ingress replica, that "
+            "replica serves HTTP on host:port itself (Ray Serve's direct ingress), without the hop "
+            "through Serve's HTTP proxy, which then listens on a free port of its own. Joined "
+            "clusters and several ingress replicas keep the proxy on host:port."
+        ),
+    )
     routing_stats_period_s: float = Field(
         0.5, gt=0, description="How often Serve polls each replica's routing stats (seconds)."
     )

@@ -23,8 +23,9 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from replica.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine
@@ -41,7 +42,33 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError", "RequestF
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: Any  # asyncio.Queue, or a _Sink: what has put_nowait(item)
+
+
+class _Sink:
+    """A stream's receiver for :meth:`AsyncLLMEngine.run`: each delta goes to ``on_output`` at
+    once; the last one (``finished``) or an error resolves ``done``. Items after that (none are
+    expected) are ignored."""
+
+    __slots__ = ("on_output", "done")
+
+    def __init__(self, on_output: Callable[[StepOutput], None], done: asyncio.Future) -> None:
+        self.on_output = on_output
+        self.done = done
+
+    def put_nowait(self, item: StepOutput | BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+            return
+        try:
+            self.on_output(item)
+        except Exception as exc:  # the consumer failed: end this request
+            self.done.set_exception(exc)
+            return
+        if item.finished:
+            self.done.set_result(None)
 
 
 class AsyncLLMEngine:
@@ -126,19 +153,8 @@ class AsyncLLMEngine:
         Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
         Closing or cancelling the iterator early aborts the request inside the engine.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"engine loop died: {self._error!r}")
-        if sampling_params is not None and sampling_params.structured_outputs is not None:
-            # Compiling a new constraint may take milliseconds: not on this event loop.
-            request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
-        else:
-            request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
-            if request.request_id in self._streams:
-                raise ValueError(f"request_id {request.request_id!r} is already in use")
-            self._streams[request.request_id] = stream
-        self._commands.put(("add", request))
+        request = await self._submit(request_id, prompt, prompt_token_ids, sampling_params, stream)
         finished = False
         try:
             while True:
@@ -158,6 +174,68 @@ class AsyncLLMEngine:
                 self._commands.put(("abort", request.request_id))
             with self._streams_lock:
                 self._streams.pop(request.request_id, None)
+
+    async def run(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        on_output: Callable[[StepOutput], None],
+    ) -> None:
+        """Queue a request and call ``on_output(delta)`` with each of its deltas, on this event
+        loop, as the engine steps; return once the last one (``finished``) was passed on.
+
+        Unlike :meth:`generate`, deltas are not merged and no coroutine wakes up per delta: the
+        engine thread's one hand-over per step calls ``on_output`` directly (the batched deltas
+        of ``replica/delta_channel.py``).
+
+        Raises as :meth:`generate` (``ValueError``, :class:`RequestFailedError`,
+        :class:`RequestAbortedError`, :class:`EngineDeadError`); cancelling the call aborts the
+        request inside the engine.
+        """
+        loop = asyncio.get_running_loop()
+        sink = _Sink(on_output, loop.create_future())
+        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, _Stream(loop, sink))
+        finished = False
+        try:
+            await sink.done
+            finished = True
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            finished = True
+            raise
+        finally:
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+            with self._streams_lock:
+                self._streams.pop(request.request_id, None)
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        sampling_params: SamplingParams | None,
+        stream: "_Stream",
+    ) -> Request:
+        """Make the request, register its stream and queue it for the loop thread.
+
+        Raises ``ValueError`` (bad input or a request id in use) or :class:`EngineDeadError`."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # Compiling a new constraint may take milliseconds: not on this event loop.
+            request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
+        else:
+            request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        with self._streams_lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        return request
 
     @staticmethod
     def _merge_queued(item: StepOutput, queue: asyncio.Queue) -> tuple[StepOutput, BaseException | None]:

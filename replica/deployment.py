@@ -1,8 +1,10 @@
 """The Serve replica: one :class:`~replica.async_engine.AsyncLLMEngine` behind a Ray Serve deployment.
 
 The ingress (``router/ingress.py``) tokenizes and validates; it calls :meth:`LLMReplica.generate`
-through a ``DeploymentHandle`` with ``stream=True`` and receives the engine's
-:class:`~replica.request.StepOutput` deltas one by one. When the ingress cancels the stream (its
+through a ``DeploymentHandle`` with ``stream=True``. The engine's
+:class:`~replica.request.StepOutput` deltas go back over this replica's batched-delta server
+(``replica/delta_channel.py``: one frame per engine step for all of an ingress's requests), or
+as the call's own stream items. When the ingress cancels the stream (its
 client went away), Serve cancels this generator, and the engine aborts the request: its seat and
 KV blocks are free before the next engine step.
 
@@ -23,6 +25,7 @@ from contextlib import aclosing
 from typing import Any
 
 from replica.config import EngineConfig
+from replica.delta_channel import DeltaChannels
 from replica.errors import ReplicaOverloadedError
 from replica.request import SamplingParams, StepOutput
 
@@ -59,6 +62,7 @@ class LLMReplica:
         self._replica_id = _replica_id()
         self.metrics = EngineMetrics(model_name=model_name or config.model, replica=self._replica_id)
         self.engine = AsyncLLMEngine(config, metrics=self.metrics)
+        self.channels = DeltaChannels(_node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
@@ -75,11 +79,19 @@ class LLMReplica:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         announce: bool = False,
-    ) -> AsyncIterator[StepOutput | None]:
+        channel: str | None = None,
+    ) -> AsyncIterator[StepOutput | tuple[str, int] | None]:
         """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas.
 
         With ``announce``, the first item is ``None`` as soon as the request is admitted, so that a
         streaming caller learns of a refusal before it starts its response.
+
+        With ``channel`` (an ingress's key, see ``replica/delta_channel.py``) and ``announce``, the
+        first item is instead the ``(host, port)`` of this replica's batched-delta server, and the
+        request's deltas, or the error that ends it, go to that ingress's connection there, in one
+        frame per engine step with its other requests' deltas; this call then yields nothing more
+        and ends when the request has ended (errors past the admission travel as items of the
+        connection, not as this call's exception).
 
         Raises:
             ReplicaOverloadedError: the replica already holds ``max_num_seqs +
@@ -101,6 +113,21 @@ class LLMReplica:
         self._inflight += 1
         self._num_requests += 1
         try:
+            if channel is not None and announce:
+                address = await self.channels.address()
+                sink = self.channels.acquire(channel, request_id)
+                try:
+                    yield address
+                    try:
+                        await self.engine.run(
+                            request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
+                            on_output=lambda delta: sink.put(request_id, delta),
+                        )
+                    except Exception as exc:  # ends this request: its ingress learns it in order
+                        sink.put(request_id, exc)
+                finally:
+                    self.channels.release(sink, request_id)
+                return
             if announce:
                 yield None
             # aclosing: when Serve closes this generator while it waits at a yield (the client
@@ -114,6 +141,11 @@ class LLMReplica:
         finally:
             # Cancellation (client gone) lands here too, after the abort is queued.
             self._inflight -= 1
+
+    def _abort_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests in the engine (their ingress is gone: its delta connection ended)."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
 
     async def generate_all(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -262,6 +294,19 @@ class LLMReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=2.0)
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
+
+
+def _node_ip() -> str:
+    """This node's IP address as Ray knows it (other nodes reach it there), or 127.0.0.1 outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
 
 
 def _replica_id() -> str:

@@ -1,5 +1,6 @@
 """The settings the HTTP ingress reads (pydantic): served model name, API key, request caps, the
-request body cap, the replicas' waiting bound and the shutdown grace period.
+request body cap, the replicas' waiting bound, the shutdown grace period and how streamed tokens
+travel from the replicas.
 
 :class:`IngressConfig` holds them as flat fields; ``cluster.config.ServeConfig`` inherits it and
 adds the engine (under ``engine:``) and the cluster settings, so a serve config file keeps one flat
@@ -73,6 +74,16 @@ class IngressConfig(BaseModel):
         description=(
             "On SIGTERM or Ctrl-C: seconds the requests in flight may take to finish (new ones get "
             "503 meanwhile) before the rest are ended with a 503 error and the server stops."
+        ),
+    )
+
+    batched_deltas: bool = Field(
+        True,
+        description=(
+            "Streamed requests get their tokens from each replica over one TCP connection per "
+            "replica, one message per engine step for all of this ingress's requests there, instead "
+            "of one Ray stream item per request per step (replica/delta_channel.py). The replicas' "
+            "nodes must accept connections from the ingress's on the port the OS gives them."
         ),
     )
 

@@ -11,16 +11,18 @@ a grace period for those in flight, then the rest ended on every replica.
 # No "from __future__ import annotations", as in router/ingress.py.
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Optional
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from replica.errors import EngineDeadError
 from replica.request import SamplingParams, StepOutput
+from router.delta_receiver import ConnectionLost, DeltaReceiver, ReplicaUnreachable, on_call_end, queued_deltas
 from router.errors import StreamError, replica_error
 from router.preparation import Prepared
 from router.protocol import OpenAIError
@@ -40,17 +42,38 @@ class ChoiceStream:
         params: the choice's sampling parameters.
         gen: the current ``DeploymentResponseGenerator`` (or ``DeploymentResponse``).
         retried: the choice was already started again once.
+        receiver: with batched deltas, the ingress's :class:`~router.delta_receiver.DeltaReceiver`;
+            the deltas then arrive on ``queue``, not through ``gen``.
+        queue: the choice's delta queue in ``receiver`` (None without batched deltas).
+        watch: after admission with batched deltas, the task awaiting the end of ``gen`` (whose
+            outcome also goes on ``queue``: :func:`~router.delta_receiver.on_call_end`).
     """
 
-    __slots__ = ("index", "request_id", "prompt", "params", "gen", "retried")
+    __slots__ = ("index", "request_id", "prompt", "params", "gen", "retried", "receiver", "queue", "watch")
 
-    def __init__(self, index: int, request_id: str, prompt: list[int], params: SamplingParams, gen: Any) -> None:
+    def __init__(
+        self, index: int, request_id: str, prompt: list[int], params: SamplingParams, gen: Any,
+        receiver: Optional[DeltaReceiver] = None,
+    ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.gen = gen
         self.retried = False
+        self.receiver = receiver
+        self.queue: Optional[asyncio.Queue] = None
+        self.watch: Optional[asyncio.Future] = None
+
+    def release(self) -> None:
+        """Cancel the current replica call and forget its delta queue (idempotent)."""
+        cancel(self.gen)
+        if self.watch is not None:
+            self.watch.cancel()
+            self.watch = None
+        if self.queue is not None:
+            self.receiver.close(self.request_id)
+            self.queue = None
 
     def start_over(self, exc: BaseException) -> None:
         """Mark this choice as started again (once) after ``exc``: a new request id, logged."""
@@ -82,18 +105,25 @@ def cancel(response: Any) -> None:
 
 
 def cancel_all(streams: list[ChoiceStream]) -> None:
-    """Cancel every choice's current replica call (:func:`cancel`)."""
+    """Cancel every choice's current replica call and forget its deltas (:meth:`ChoiceStream.release`)."""
     for s in streams:
-        cancel(s.gen)
+        s.release()
 
 
 def replica_gone(exc: BaseException) -> bool:
     """True for the failures after which another replica may serve the request from scratch: the
     replica process died or cannot be reached (Ray's ``ActorDiedError``/``ActorUnavailableError``,
     both ``RayActorError``), or its engine loop died (:class:`~replica.errors.EngineDeadError`),
-    raised as is or inside a ``RayTaskError``."""
-    gone = (RayActorError, EngineDeadError)
+    raised as is or inside a ``RayTaskError``; or its batched-delta connection could not be made
+    or ended (:class:`~router.delta_receiver.ReplicaUnreachable`,
+    :class:`~router.delta_receiver.ConnectionLost`)."""
+    gone = (RayActorError, EngineDeadError, ReplicaUnreachable, ConnectionLost)
     return isinstance(exc, gone) or isinstance(getattr(exc, "cause", None), gone)
+
+
+MAX_UNREACHABLE = 3
+"""After this many failed batched-delta connections in a row (a network that refuses the replicas'
+ports, not one replica that died), the ingress streams every request through Ray."""
 
 
 class Fanout:
@@ -102,12 +132,18 @@ class Fanout:
     Args:
         replica: handle of the ``LLMReplica`` deployment.
         view: the deployment's view; a choice is started again only while some replica can serve.
+        receiver: batched deltas (``IngressConfig.batched_deltas``): streamed choices get their
+            deltas through it, one frame per engine step and replica; None: one Ray stream item per
+            delta. A choice whose replica's address cannot be reached starts again through Ray,
+            and after :data:`MAX_UNREACHABLE` such failures in a row every new one does.
     """
 
-    def __init__(self, replica: DeploymentHandle, view: ReplicaView) -> None:
+    def __init__(self, replica: DeploymentHandle, view: ReplicaView, receiver: Optional[DeltaReceiver] = None) -> None:
         self.replica = replica
         self.stream_handle = replica.options(stream=True)
         self.view = view
+        self.receiver = receiver
+        self._unreachable = 0  # batched-delta connections that failed in a row
         self.draining = False  # shutting down: new generation requests get 503
         self._ended = asyncio.Event()  # shutting down and the grace period is over
         self._inflight = 0  # generation requests being answered (streams until their last event)
@@ -193,13 +229,14 @@ class Fanout:
         """
         streams = []
         for index, _, ids, params in prepared.jobs():
-            rid = f"{prepared.request_id}-{index}"
-            streams.append(ChoiceStream(index, rid, ids, params, self.stream_handle.generate.remote(rid, ids, params, True)))
+            s = ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None, self.receiver)
+            self._start(s)
+            streams.append(s)
         self._opening += 1
         try:
             for s in streams:
                 try:
-                    await self._unless_ended(s.gen.__anext__())  # the replica's admission (None)
+                    await self._admitted(s)
                 except Exception as exc:
                     if not await self._may_retry(s, exc):
                         raise
@@ -212,6 +249,38 @@ class Fanout:
         finally:
             self._opening -= 1
         return streams
+
+    def _start(self, s: ChoiceStream) -> None:
+        """Send choice ``s`` to a replica (``generate``, streamed, announcing its admission); with
+        batched deltas, register its queue first."""
+        if s.receiver is not None:
+            s.queue = s.receiver.open(s.request_id)
+            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True, s.receiver.key)
+        else:
+            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
+
+    async def _admitted(self, s: ChoiceStream) -> None:
+        """Wait for choice ``s``'s admission (the call's first item). With batched deltas that item
+        is the replica's address: connect there (once per replica) and watch the call's end.
+
+        Raises what the admission raises, or what connecting raises
+        (:class:`~router.delta_receiver.ReplicaUnreachable`,
+        :class:`~router.delta_receiver.ConnectionLost`: :func:`replica_gone` lets the choice
+        start again)."""
+        first = await self._unless_ended(s.gen.__anext__())
+        if s.queue is None:
+            return
+        try:
+            await self._unless_ended(s.receiver.connect(first, s.request_id))
+        except ReplicaUnreachable:
+            self._unreachable += 1
+            if self._unreachable >= MAX_UNREACHABLE and self.receiver is not None:
+                logger.warning("batched deltas: %d replica addresses in a row unreachable; streaming through Ray from now on", self._unreachable)
+                self.receiver = None
+            raise
+        self._unreachable = 0
+        s.watch = asyncio.ensure_future(s.gen.__anext__())
+        s.watch.add_done_callback(functools.partial(on_call_end, s.queue))
 
     async def _may_retry(self, s: ChoiceStream, exc: BaseException) -> bool:
         """Whether a choice that failed with ``exc`` before its first delta may start again:
@@ -227,10 +296,13 @@ class Fanout:
         router has marked the dead replica as such, so another one takes it.
 
         Raises what the new admission raises."""
-        cancel(s.gen)
+        s.release()
         s.start_over(exc)
-        s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
-        await self._unless_ended(s.gen.__anext__())
+        if isinstance(exc, ReplicaUnreachable):  # perhaps the network refuses the port: go by Ray
+            logger.warning("batched deltas: %s; this request streams through Ray instead", exc)
+            s.receiver = None
+        self._start(s)
+        await self._admitted(s)
 
     async def _choice_deltas(self, s: ChoiceStream) -> AsyncIterator[StepOutput]:
         """The deltas of one admitted choice. If its replica is gone before the first delta (so
@@ -239,7 +311,7 @@ class Fanout:
         started = False
         while True:
             try:
-                async for delta in s.gen:
+                async for delta in (s.gen if s.queue is None else queued_deltas(s.queue, s.watch)):
                     started = True
                     yield delta
                 return
@@ -259,7 +331,7 @@ class Fanout:
                     async for delta in deltas:
                         yield s.index, delta
             finally:
-                cancel(s.gen)
+                s.release()
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()

@@ -5,8 +5,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 :mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
 request per choice, choice ``j`` of each prompt of a seeded request using ``seed + j``. Replica
-outputs arrive through a ``DeploymentHandle`` with ``stream=True`` and leave as one JSON body or
-as server-sent events ending in ``data: [DONE]``.
+requests go through a ``DeploymentHandle``; a streamed one's tokens come back over the replica's
+batched-delta connection (:mod:`router.delta_receiver`; one message per engine step for all of
+this ingress's requests there) or, with ``batched_deltas`` off, as the call's own stream. Outputs
+leave as one JSON body or as server-sent events ending in ``data: [DONE]``.
 
 Errors are OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 body or parameter, or one past a configured cap (the message names the field), 401 for a missing
@@ -41,6 +43,7 @@ from ray.serve.handle import DeploymentHandle
 
 from replica.config import EngineConfig
 from router.config import IngressConfig
+from router.delta_receiver import DeltaReceiver
 from router.errors import configure, install
 from router.fanout import ChoiceStream, Fanout, cancel_all
 from router.body_checks import BodyChecks
@@ -48,6 +51,38 @@ from router.preparation import RequestPreparer
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.replica_view import ReplicaView
 from router.responses import EventStream, ResponseFormatter, sse_frames
+
+def _reuse_address_for_direct_ingress() -> None:
+    """Let Serve's direct-ingress HTTP server bind its port while connections of a previous server
+    on that port linger in TIME_WAIT (``SO_REUSEADDR``, as uvicorn and most servers set it).
+
+    Ray Serve 2.60 binds that socket without it, so an ingress replica that replaces another on
+    the same port (``carpool serve``'s direct ingress: one fixed port) failed with EADDRINUSE for
+    about a minute after the old one closed connections, and Serve then blocked the port for good.
+    Serve starts that server after this class's ``__init__``; the socket module its HTTP helper
+    uses is swapped for one whose ``socket()`` sets the option. A no-op where that helper is
+    missing (another Ray version) or already patched.
+    """
+    import socket
+    import types
+
+    try:
+        from ray.serve._private import http_util
+    except ImportError:
+        return
+    if getattr(http_util, "socket", None) is not socket:
+        return
+
+    def reusable_socket(*args: Any, **kwargs: Any) -> socket.socket:
+        sock = socket.socket(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return sock
+
+    shim = types.ModuleType("socket")
+    shim.__dict__.update(vars(socket))
+    shim.socket = reusable_socket
+    http_util.socket = shim
+
 
 app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
 install(app)
@@ -80,8 +115,9 @@ class OpenAIIngress:
         self.replicas = ReplicaView(replica, seats=engine_config.max_num_seqs, waiting=self.config.max_waiting_requests)
         self.checks = BodyChecks(self.config, self.model_name)
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
-        self.fanout = Fanout(replica, self.replicas)
+        self.fanout = Fanout(replica, self.replicas, DeltaReceiver() if self.config.batched_deltas else None)
         self.responses = ResponseFormatter(self.tokenizer)
+        _reuse_address_for_direct_ingress()
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:

@@ -1,7 +1,8 @@
 """End-to-end fixtures: one local Ray cluster per test session, one Serve app per module.
 
-* ``ray_cluster``: ``ray.init`` with 2 CPUs and no dashboard, Serve's HTTP proxy on a free port
-  of 127.0.0.1. Package scope: one cluster for the whole e2e suite in a session, shut down when
+* ``ray_cluster``: ``ray.init`` with 2 CPUs and no dashboard; each app's ingress serves HTTP on
+  a free port of 127.0.0.1 (from 30000 up) itself, as under ``carpool serve`` (Serve's direct ingress; Serve's
+  proxy listens on another port, unused). Package scope: one cluster for the whole e2e suite in a session, shut down when
   the suite ends, so that it does not idle through the other test directories.
 * ``deploy(config, replicas)``: deploys ``cluster.app.build_app(config)`` as an app
   and returns a :class:`Served` (base URL, ``openai`` client, per-replica stats). Modules wrap it
@@ -45,6 +46,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_outside_ephemeral_range(start: int = 30000, stop: int = 31000) -> int:
+    """A free port of 127.0.0.1 in ``[start, stop)``: below Linux's ephemeral range (32768 and up),
+    where :func:`free_port` never lands, and Serve's default direct-ingress range. The e2e apps'
+    ingress port is free while no app is deployed; a port there could be handed to another test's
+    server meanwhile, and Serve blocks a port it once failed to bind."""
+    for port in range(start, stop):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{start}, {stop})")
 
 
 class Served:
@@ -129,17 +145,27 @@ def cluster_processes(carpool_pid: int, title: str) -> list:
 
 @pytest.fixture(scope="package")
 def ray_cluster():
-    """One local Ray cluster (2 CPUs) with Serve's HTTP proxy on 127.0.0.1:<free port>."""
+    """One local Ray cluster (2 CPUs) whose apps' ingress serves 127.0.0.1:<free port> itself
+    (:func:`cluster.app.direct_ingress_env`); yields that port."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
-    from cluster.app import apply_serve_env
+    from cluster.app import apply_serve_env, direct_ingress_env
 
     apply_serve_env()  # the Serve settings `carpool serve` uses
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = free_port_outside_ephemeral_range()
+    # As under `carpool serve`: each app's one ingress replica serves `port` itself (Serve's direct
+    # ingress). The cluster's processes take the settings at its start; this process and the
+    # subprocesses that tests start keep their own environment.
+    saved = dict(os.environ)
+    os.environ.update(direct_ingress_env(port))
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     try:
         yield port
     finally:

@@ -30,7 +30,9 @@ from cluster.config import ServeConfig
 from replica.config import EngineConfig
 
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=32, max_model_len=1024, num_blocks=320, compile=False)
-CONFIG = ServeConfig(app_name="e2e-structured", engine=ENGINE)
+# Streamed tokens travel as the replica call's own Ray stream here (batched_deltas off), so that
+# path stays tested; the other modules use the default batched-delta connections.
+CONFIG = ServeConfig(app_name="e2e-structured", engine=ENGINE, batched_deltas=False)
 CONCURRENT = 100
 MAX_TOKENS = 256  # every schema below bounds its JSON well under this
 
