@@ -104,6 +104,12 @@ def cancel(response: Any) -> None:
         pass
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    """Mark a finished task's exception as seen (asyncio logs "never retrieved" otherwise)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def cancel_all(streams: list[ChoiceStream]) -> None:
     """Cancel every choice's current replica call and forget its deltas (:meth:`ChoiceStream.release`)."""
     for s in streams:
@@ -207,6 +213,7 @@ class Fanout:
         if self._ended.is_set():
             raise _ended_error()
         call = asyncio.ensure_future(awaitable)
+        call.add_done_callback(_retrieve)  # a call cancelled with its caller may still end in an error
         ended = asyncio.ensure_future(self._ended.wait())
         try:
             await asyncio.wait((call, ended), return_when=asyncio.FIRST_COMPLETED)
