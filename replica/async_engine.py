@@ -170,10 +170,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished:
-                self._commands.put(("abort", request.request_id))
-            with self._streams_lock:
-                self._streams.pop(request.request_id, None)
+            self._close(request.request_id, finished)
 
     async def run(
         self,
@@ -207,10 +204,15 @@ class AsyncLLMEngine:
             finished = True
             raise
         finally:
-            if not finished:
-                self._commands.put(("abort", request.request_id))
-            with self._streams_lock:
-                self._streams.pop(request.request_id, None)
+            self._close(request.request_id, finished)
+
+    def _close(self, request_id: str, finished: bool) -> None:
+        """Forget a request's stream; abort it inside the engine unless it ``finished`` (ended,
+        or failed) first."""
+        if not finished:
+            self._commands.put(("abort", request_id))
+        with self._streams_lock:
+            self._streams.pop(request_id, None)
 
     async def _submit(
         self,
