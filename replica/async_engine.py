@@ -31,7 +31,7 @@ from replica.config import EngineConfig
 from replica.engine import EngineStats, LLMEngine
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.metrics import EngineMetrics
-from replica.request import Request, SamplingParams, StepOutput
+from replica.request import Request, SamplingParams, StepOutput, merge_queued
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                item, error = self._merge_queued(item, stream.queue)
+                item, error = merge_queued(item, stream.queue)  # only errors follow deltas here
                 finished = item.finished or error is not None
                 yield item
                 if error is not None:
@@ -238,17 +238,6 @@ class AsyncLLMEngine:
             self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         return request
-
-    @staticmethod
-    def _merge_queued(item: StepOutput, queue: asyncio.Queue) -> tuple[StepOutput, BaseException | None]:
-        """``item`` merged with the deltas already queued behind it (a consumer slower than the
-        engine gets one delta per wake-up, not one per token), and an error queued after them."""
-        while not item.finished and not queue.empty():
-            later = queue.get_nowait()
-            if isinstance(later, BaseException):
-                return item, later
-            item = item.merged(later)
-        return item, None
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its seat and blocks are free before the next step."""

@@ -191,11 +191,6 @@ class DeltaChannels:
             if channel.pending:
                 logger.warning("batched deltas: dropped %d deltas no ingress came for", len(channel.pending))
 
-    @property
-    def num_channels(self) -> int:
-        """Channels held (one per ingress with requests here or connected)."""
-        return len(self._channels)
-
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One ingress connection: read its key, attach it to that channel, and hold it until the
         ingress closes it. An unknown key or a malformed hello closes it at once."""

@@ -376,3 +376,17 @@ class StepOutput:
             error=later.error,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
+
+
+def merge_queued(item: StepOutput, queue: Any) -> tuple[StepOutput, Any]:
+    """``item`` merged with the deltas of the same request already waiting in ``queue`` (an
+    ``asyncio.Queue``), so that a consumer slower than the engine gets one delta per wake-up, not
+    one per token. Stops at the finished delta, or at the first item that is not a
+    :class:`StepOutput` (an error, a marker), which it takes off the queue and returns as the
+    second value (None if there was none) for the caller to handle next."""
+    while not item.finished and not queue.empty():
+        later = queue.get_nowait()
+        if not isinstance(later, StepOutput):
+            return item, later
+        item = item.merged(later)
+    return item, None

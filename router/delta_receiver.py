@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from replica.delta_channel import HEADER, KEY_BYTES
-from replica.request import StepOutput
+from replica.request import StepOutput, merge_queued
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +104,7 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
             raise item
         if isinstance(item, BaseException):
             raise item
-        while not item.finished and not queue.empty():
-            later = queue.get_nowait()
-            if not isinstance(later, StepOutput):
-                held = later
-                break
-            item = item.merged(later)
+        item, held = merge_queued(item, queue)
         yield item
         if item.finished:
             return
@@ -186,10 +181,6 @@ class DeltaReceiver:
             await asyncio.shield(connection.ready)
         except (OSError, asyncio.TimeoutError) as exc:
             raise ReplicaUnreachable(f"cannot connect to replica {address[0]}:{address[1]}: {exc!r}") from exc
-
-    @property
-    def num_connections(self) -> int:
-        return len(self._connections)
 
     async def _read(self, connection: _Connection) -> None:
         """Open ``connection``, then dispatch its frames until it ends."""

@@ -43,9 +43,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port of 127.0.0.1 that the OS picks (:func:`cluster.app.free_port`)."""
+    from cluster.app import free_port as free_port_of
+
+    return free_port_of("127.0.0.1")
 
 
 def free_port_outside_ephemeral_range(start: int = 30000, stop: int = 31000) -> int:
