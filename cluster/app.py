@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
+"""How often (seconds) a stopping replica or ingress checks for requests still running. Serve's
+default, 2 s, is also the least time any replica takes to stop, even an idle one: each redeploy,
+scale-down or shutdown waited that long for nothing."""
 
 
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
@@ -164,6 +168,7 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 5.0,
+        "graceful_shutdown_wait_loop_s": GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
     }
     if config.autoscaling is not None:
         if num_replicas is not None:
@@ -226,6 +231,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
+        graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
     ).bind(replica, config.ingress_fields(), engine.model_dump())
     return ingress
 

@@ -36,13 +36,15 @@ the connection before the call ended) before it ends with :class:`ConnectionLost
 CALL_END_GRACE_S = 2.0
 """Seconds a request whose connection ended waits for its replica call to report the replica's
 death (then it may start again elsewhere) before it ends with :class:`ConnectionLost` (the caller
-then cancels the call, which aborts the request on the replica)."""
+then cancels the call, which aborts the request on the replica); and seconds a request whose call
+failed waits for its connection to end (deltas the replica wrote before it died may still be on
+their way) before it ends with the call's error."""
 
 
 class ConnectionLost(ConnectionError):
     """A request's deltas were lost: its replica's connection ended before its last delta, or
     ended before the request was bound to it. Nothing of it may have reached the client yet, so
-    the ingress may start it again (``router.fanout.replica_gone``)."""
+    the ingress may start it again (``router.choice_stream.replica_gone``)."""
 
 
 class ReplicaUnreachable(ConnectionError):
@@ -75,27 +77,39 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
     piled up come out merged into one. ``watch`` is the task awaiting the end of its replica
     call (:func:`on_call_end`).
 
+    A call that fails (the replica died) may overtake deltas the replica had already written:
+    the error travels through Ray, the deltas through TCP. So its error is raised only when the
+    connection has ended too (a dead replica's socket is closed by its kernel), or
+    :data:`CALL_END_GRACE_S` seconds later, and a request whose finished delta comes first
+    completes.
+
     Raises the error that ended the request (sent by the replica, or raised by its call, e.g.
     the replica died), or :class:`ConnectionLost` when its connection ended first, or when its
     last delta has not come :data:`LAST_DELTA_GRACE_S` seconds after its call ended."""
     held = None
     call_ended = False
+    failed: Optional[BaseException] = None  # the call's error, raised once the connection ends
     while True:
         if held is not None:
             item, held = held, None
-        elif call_ended:  # the last delta was written before the call ended: here or on its way
+        elif failed is not None or call_ended:  # the last delta was written before the call ended
             try:
-                item = await asyncio.wait_for(queue.get(), LAST_DELTA_GRACE_S)
+                item = await asyncio.wait_for(queue.get(), CALL_END_GRACE_S if failed is not None else LAST_DELTA_GRACE_S)
             except asyncio.TimeoutError:
+                if failed is not None:
+                    raise failed from None
                 raise ConnectionLost("the replica's last delta for this request did not arrive") from None
         else:
             item = await queue.get()
         if isinstance(item, CallEnded):
             if item.error is not None:
-                raise item.error
-            call_ended = True
+                failed = item.error
+            else:
+                call_ended = True
             continue
         if isinstance(item, ConnectionLost):
+            if failed is not None:
+                raise failed
             if watch is not None:
                 try:  # a dead replica makes its call fail too: that error allows a retry elsewhere
                     await asyncio.wait_for(asyncio.shield(watch), CALL_END_GRACE_S)

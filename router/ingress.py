@@ -45,10 +45,11 @@ from replica.config import EngineConfig
 from router.config import IngressConfig
 from router.delta_receiver import DeltaReceiver
 from router.errors import configure, install
-from router.fanout import ChoiceStream, Fanout, cancel_all
+from router.choice_stream import ChoiceStream, cancel_all
+from router.fanout import Fanout
 from router.body_checks import BodyChecks
 from router.preparation import RequestPreparer
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from router.replica_view import ReplicaView
 from router.responses import EventStream, ResponseFormatter, sse_frames
 
@@ -155,19 +156,28 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         """The served model, with the replicas' ``max_model_len``."""
+        return {"object": "list", "data": [await self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """One model's card, as in ``GET /v1/models`` (OpenAI's ``models.retrieve``).
+
+        Raises:
+            OpenAIError: 404 ``model_not_found`` for any id but the served model's name.
+        """
+        if model_id != self.model_name:
+            raise OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found")
+        return await self._model_card()
+
+    async def _model_card(self) -> dict[str, Any]:
         info = await self.replicas.model_info()
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "carpool",
-                    "root": self.root_model,
-                    "max_model_len": info["max_model_len"],
-                }
-            ],
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "carpool",
+            "root": self.root_model,
+            "max_model_len": info["max_model_len"],
         }
 
     @app.post("/v1/completions")

@@ -1,7 +1,8 @@
 """The OpenAI API end to end: real Ray Serve, real SmolLM2 (float32), the real ``openai`` client.
 
-One replica; greedy outputs are compared with the offline engine (``replica.llm.LLM``) in this
-process. After every test the replica must be idle with every KV block free (conftest).
+One replica, compiled as served by default; greedy outputs are compared with the eager offline
+engine (``replica.llm.LLM``) in this process. After every test the replica must be idle with every
+KV block free (conftest).
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ def served(deploy):
 
 @pytest.fixture(scope="module")
 def offline():
-    """The in-process engine with the replica's settings."""
+    """The in-process engine with the replica's settings, but eager: the served replica runs the
+    compiled model, so the comparisons also check compiled against eager (and this process skips
+    a second compile of about 25 s)."""
     from replica.llm import LLM
 
-    return LLM(**ENGINE.model_dump())
+    return LLM(**{**ENGINE.model_dump(), "compile": False})
 
 
 def chat_ids(tokenizer, messages) -> list[int]:

@@ -69,6 +69,7 @@ def still_serving(served) -> None:
 # ---- API key -------------------------------------------------------------------------------------
 ENDPOINTS = [
     ("GET", "/v1/models", None),
+    ("GET", f"/v1/models/{CONFIG.model_name}", None),
     ("GET", "/metrics", None),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
     ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
@@ -101,6 +102,18 @@ def test_openai_client_with_right_and_wrong_key(served):
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2, stream=True)
     assert [m.id for m in served.client.models.list().data] == [served.model]
+
+
+def test_retrieve_one_model(served):
+    listed = served.client.models.list().data[0]
+    assert served.client.models.retrieve(served.model) == listed
+    for other in ("nope", "HuggingFaceTB/other", served.model + "x"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            served.client.models.retrieve(other)
+        assert caught.value.body["code"] == "model_not_found", caught.value.body
+        assert other in caught.value.body["message"]
+    r = httpx.get(served.root_url + "/v1/models/nope", timeout=30)  # no key
+    assert_openai_error(r, 401, code="invalid_api_key")
 
 
 # ---- configured caps -----------------------------------------------------------------------------

@@ -162,6 +162,44 @@ def test_deltas_wait_for_the_connection_then_arrive_in_order_and_merged():
     assert isinstance(lost, ConnectionLost)
 
 
+def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
+    """A replica that dies right after its last delta: the call's error (through Ray) can come
+    before that delta (through TCP). The request completes if its finished delta comes before the
+    connection ends; otherwise the call's error (which allows a retry elsewhere) ends it."""
+    import router.delta_receiver as delta_receiver
+    from router.delta_receiver import CallEnded
+
+    monkeypatch.setattr(delta_receiver, "CALL_END_GRACE_S", 0.2)
+    died = RuntimeError("the replica died")
+
+    def delta(token: int, finished: bool) -> StepOutput:
+        return StepOutput("a", [token], str(token), None, finished, "length" if finished else None, None, 3, token)
+
+    async def read(*items):
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        got: list[StepOutput] = []
+        try:
+            async for d in queued_deltas(queue, None):
+                got.append(d)
+        except BaseException as exc:  # noqa: BLE001 - the test asserts which
+            return got, exc
+        return got, None
+
+    async def scenario():
+        return (
+            await read(delta(1, False), CallEnded(died), delta(2, True), ConnectionLost("eof")),
+            await read(delta(1, False), CallEnded(died), ConnectionLost("eof")),
+            await read(CallEnded(died)),  # no connection bound: the grace runs out
+        )
+
+    completed, lost, alone = run(scenario())
+    assert [d.new_token_ids for d in completed[0]] == [[1], [2]] and completed[0][-1].finished and completed[1] is None
+    assert [d.new_token_ids for d in lost[0]] == [[1]] and lost[1] is died
+    assert alone == ([], died)
+
+
 class Unpicklable(Exception):
     def __init__(self, a, b):  # pickling re-creates it with one argument: fails
         super().__init__(f"{a} {b}")

@@ -18,14 +18,14 @@ from transformers.generation.logits_process import (
 
 from replica import sampler as sampler_module
 from replica.request import Request, SamplingParams
-from replica.sampler import (
-    Sampler,
+from replica.logits_processors import (
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
 )
+from replica.sampler import Sampler
 
 VOCAB = 64
 EOS = 2
@@ -163,9 +163,9 @@ def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
 
 @pytest.mark.parametrize("candidates", [1024, 8])  # nucleus found among candidates / sort fallback
 def test_top_p_mixed_rows_match_transformers(monkeypatch, candidates):
-    import replica.sampler as sampler_module
+    import replica.logits_processors as logits_processors
 
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", candidates)
+    monkeypatch.setattr(logits_processors, "TOP_P_CANDIDATES", candidates)
     vocab = 2000
     logits = torch.cat([random_logits(4, vocab, seed=1, scale=4.0), random_logits(4, vocab, seed=2, scale=0.3)])
     top_k = torch.tensor([vocab, 10, vocab, 300, vocab, 10, vocab, 1500])  # vocab = disabled
