@@ -80,8 +80,9 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
     A call that fails (the replica died) may overtake deltas the replica had already written:
     the error travels through Ray, the deltas through TCP. So its error is raised only when the
     connection has ended too (a dead replica's socket is closed by its kernel), or
-    :data:`CALL_END_GRACE_S` seconds later, and a request whose finished delta comes first
-    completes.
+    :data:`CALL_END_GRACE_S` seconds later. Deltas that come meanwhile are held back: a request
+    whose finished delta comes completes (all of them as one delta); otherwise none is yielded,
+    so that a request of which nothing was sent yet may still start again elsewhere.
 
     Raises the error that ended the request (sent by the replica, or raised by its call, e.g.
     the replica died), or :class:`ConnectionLost` when its connection ended first, or when its
@@ -89,6 +90,7 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
     held = None
     call_ended = False
     failed: Optional[BaseException] = None  # the call's error, raised once the connection ends
+    pending: Optional[StepOutput] = None  # deltas that came after ``failed``, held back
     while True:
         if held is not None:
             item, held = held, None
@@ -118,6 +120,12 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
             raise item
         if isinstance(item, BaseException):
             raise item
+        if failed is not None:
+            pending = item if pending is None else pending.merged(item)
+            if pending.finished:
+                yield pending
+                return
+            continue
         item, held = merge_queued(item, queue)
         yield item
         if item.finished:

@@ -1,7 +1,7 @@
 """The HTTP ingress: an OpenAI-compatible API (FastAPI) deployed on Ray Serve.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Each request is validated (pydantic models in
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. Each request is validated (pydantic models in
 :mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
 request per choice, choice ``j`` of each prompt of a seeded request using ``seed + j``. Replica
@@ -162,9 +162,13 @@ class OpenAIIngress:
     async def model(self, model_id: str) -> dict[str, Any]:
         """One model's card, as in ``GET /v1/models`` (OpenAI's ``models.retrieve``).
 
+        ``GET /v1/models/`` (an empty id) is the list, as ``GET /v1/models``.
+
         Raises:
             OpenAIError: 404 ``model_not_found`` for any id but the served model's name.
         """
+        if not model_id:
+            return await self.models()
         if model_id != self.model_name:
             raise OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found")
         return await self._model_card()

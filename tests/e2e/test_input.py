@@ -112,6 +112,8 @@ def test_retrieve_one_model(served):
             served.client.models.retrieve(other)
         assert caught.value.body["code"] == "model_not_found", caught.value.body
         assert other in caught.value.body["message"]
+    r = httpx.get(served.root_url + "/v1/models/", headers=AUTH, timeout=30)  # an empty id: the list
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [served.model], r.text
     r = httpx.get(served.root_url + "/v1/models/nope", timeout=30)  # no key
     assert_openai_error(r, 401, code="invalid_api_key")
 

@@ -165,7 +165,8 @@ def test_deltas_wait_for_the_connection_then_arrive_in_order_and_merged():
 def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
     """A replica that dies right after its last delta: the call's error (through Ray) can come
     before that delta (through TCP). The request completes if its finished delta comes before the
-    connection ends; otherwise the call's error (which allows a retry elsewhere) ends it."""
+    connection ends; otherwise the call's error (which allows a retry elsewhere) ends it, and no
+    delta that came after the error is passed on."""
     import router.delta_receiver as delta_receiver
     from router.delta_receiver import CallEnded
 
@@ -189,14 +190,18 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
 
     async def scenario():
         return (
-            await read(delta(1, False), CallEnded(died), delta(2, True), ConnectionLost("eof")),
+            await read(delta(1, False), CallEnded(died), delta(2, False), delta(3, True), ConnectionLost("eof")),
             await read(delta(1, False), CallEnded(died), ConnectionLost("eof")),
-            await read(CallEnded(died)),  # no connection bound: the grace runs out
+            # Deltas after the error that do not finish the request are not sent: nothing of it
+            # reached the client, so it may still start again on another replica.
+            await read(CallEnded(died), delta(1, False), ConnectionLost("eof")),
+            await read(CallEnded(died), delta(1, False)),  # no connection bound: the grace runs out
         )
 
-    completed, lost, alone = run(scenario())
-    assert [d.new_token_ids for d in completed[0]] == [[1], [2]] and completed[0][-1].finished and completed[1] is None
+    completed, lost, unfinished, alone = run(scenario())
+    assert [d.new_token_ids for d in completed[0]] == [[1], [2, 3]] and completed[0][-1].finished and completed[1] is None
     assert [d.new_token_ids for d in lost[0]] == [[1]] and lost[1] is died
+    assert unfinished == ([], died)
     assert alone == ([], died)
 
 
