@@ -6,8 +6,9 @@ few events or before the first, a non-streaming call abandoned), with a KV pool 
 preemption really happens. At the end every replica must be idle with every block free and
 ``check_integrity()`` passing (the autouse check of ``conftest.py``), no request may have failed,
 and each replica's resident memory (RSS of its process) may end at most ``MAX_RSS_GROWTH`` above
-where it was before the first request, and at most ``MAX_RSS_GROWTH_AFTER_WARMUP`` above where it
-was after a warm-up of ``WARMUP`` requests. The figures are printed (run with ``-s``) and written to
+where it was before the first request; each replica's and the ingress's, at most
+``MAX_RSS_GROWTH_AFTER_WARMUP`` above where it was after a warm-up of ``WARMUP`` requests (the
+ingress's first requests load what it uses lazily). The figures are printed (run with ``-s``) and written to
 ``$CARPOOL_SOAK_JSON`` when that is set.
 
 Two mixes, one test each: ``mixed`` (random prompts) and ``shared-prefix``, where most prompts start
@@ -141,6 +142,18 @@ def replica_rss(served) -> dict[int, int]:
     return {s["pid"]: psutil.Process(s["pid"]).memory_info().rss for s in served.stats()}
 
 
+def ingress_rss(served) -> dict[int, int]:
+    """Resident set size (bytes) of the app's ingress process (its per-request state: delta
+    queues, connections, streams), by pid; Ray titles it ``ray::ServeReplica:<app>:OpenAIIngress``."""
+    title = f"ServeReplica:{served.name}:OpenAIIngress"
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if title in " ".join(p.info["cmdline"] or ()):
+            found[p.info["pid"]] = p.memory_info().rss
+    assert len(found) == 1, found
+    return found
+
+
 @pytest.mark.timeout(3600)  # on the function: it must win over the e2e conftest's 240 s
 @pytest.mark.parametrize("shared_prefix", [False, True], ids=["mixed", "shared-prefix"])
 def test_soak(served, shared_prefix):
@@ -151,7 +164,7 @@ def test_soak(served, shared_prefix):
     counts = asyncio.run(run_mix(served.base_url, warmup))
     assert counts.get("failed", 0) == 0, counts
     served.wait_idle(timeout_s=10)
-    rss_before = replica_rss(served)
+    rss_before = replica_rss(served) | ingress_rss(served)
     before = metrics(served)
 
     started = time.monotonic()
@@ -161,10 +174,10 @@ def test_soak(served, shared_prefix):
         for key, value in asyncio.run(run_mix(served.base_url, mix[i : i + CHUNK])).items():
             counts[key] = counts.get(key, 0) + value
         served.wait_idle(timeout_s=10)
-        rss_trajectory.append([round(v / 2**20, 1) for v in replica_rss(served).values()])
+        rss_trajectory.append([round(v / 2**20, 1) for v in (replica_rss(served) | ingress_rss(served)).values()])
     wall = time.monotonic() - started
     stats = served.wait_idle(timeout_s=10)
-    rss_after = replica_rss(served)
+    rss_after = replica_rss(served) | ingress_rss(served)
     after = metrics(served)
     delta = {name: after[name] - before.get(name, 0.0) for name in (
         "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total",
@@ -184,6 +197,7 @@ def test_soak(served, shared_prefix):
         "rss_mib_after": {pid: round(v / 2**20, 1) for pid, v in rss_after.items()},
         f"rss_mib_every_{CHUNK}_requests": rss_trajectory,
         "rss_mib_at_start_of_warmup": {pid: round(v / 2**20, 1) for pid, v in rss_start.items()},
+        "ingress_pid": next(iter(set(rss_after) - set(rss_start))),
         "wall_s": round(wall, 1),
         "warmup_requests": WARMUP,
     }
@@ -199,7 +213,7 @@ def test_soak(served, shared_prefix):
     if shared_prefix:
         assert figures["prefix_cache_hit_rate"] > 0.3, figures["prefix_cache_hit_rate"]
     assert all(s["num_free_blocks"] == s["num_total_blocks"] for s in stats)
-    assert set(rss_after) == set(rss_before), "a replica was restarted during the soak"
+    assert set(rss_after) == set(rss_before), "a replica or the ingress was restarted during the soak"
     for pid, rss in rss_start.items():
         assert rss_after[pid] <= rss * (1 + MAX_RSS_GROWTH), ("from the first request", pid, rss, rss_after[pid])
     for pid, rss in rss_before.items():
