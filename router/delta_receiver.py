@@ -91,12 +91,17 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
     call_ended = False
     failed: Optional[BaseException] = None  # the call's error, raised once the connection ends
     pending: Optional[StepOutput] = None  # deltas that came after ``failed``, held back
+    give_up_at = 0.0  # loop time at which ``failed`` is raised if the connection has not ended
     while True:
         if held is not None:
             item, held = held, None
         elif failed is not None or call_ended:  # the last delta was written before the call ended
+            if failed is not None:  # one deadline, however many deltas come meanwhile
+                timeout = max(0.0, give_up_at - asyncio.get_running_loop().time())
+            else:
+                timeout = LAST_DELTA_GRACE_S
             try:
-                item = await asyncio.wait_for(queue.get(), CALL_END_GRACE_S if failed is not None else LAST_DELTA_GRACE_S)
+                item = await asyncio.wait_for(queue.get(), timeout)
             except asyncio.TimeoutError:
                 if failed is not None:
                     raise failed from None
@@ -106,6 +111,7 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
         if isinstance(item, CallEnded):
             if item.error is not None:
                 failed = item.error
+                give_up_at = asyncio.get_running_loop().time() + CALL_END_GRACE_S
             else:
                 call_ended = True
             continue

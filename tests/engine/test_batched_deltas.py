@@ -176,10 +176,7 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
     def delta(token: int, finished: bool) -> StepOutput:
         return StepOutput("a", [token], str(token), None, finished, "length" if finished else None, None, 3, token)
 
-    async def read(*items):
-        queue: asyncio.Queue = asyncio.Queue()
-        for item in items:
-            queue.put_nowait(item)
+    async def drain(queue: asyncio.Queue):
         got: list[StepOutput] = []
         try:
             async for d in queued_deltas(queue, None):
@@ -187,6 +184,12 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
         except BaseException as exc:  # noqa: BLE001 - the test asserts which
             return got, exc
         return got, None
+
+    async def read(*items):
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        return await drain(queue)
 
     async def scenario():
         return (
@@ -198,7 +201,26 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
             await read(CallEnded(died), delta(1, False)),  # no connection bound: the grace runs out
         )
 
+    async def trickle():  # a replica still sending after its call failed: the grace is one deadline
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(CallEnded(died))
+
+        async def send():
+            for token in range(1, 100):
+                await asyncio.sleep(0.05)
+                queue.put_nowait(delta(token, False))
+
+        sender = asyncio.ensure_future(send())
+        started = asyncio.get_running_loop().time()
+        try:
+            got, error = await drain(queue)
+        finally:
+            sender.cancel()
+        return got, error, asyncio.get_running_loop().time() - started
+
     completed, lost, unfinished, alone = run(scenario())
+    got, error, waited = run(trickle())
+    assert got == [] and error is died and waited < 1.0, (got, error, waited)
     assert [d.new_token_ids for d in completed[0]] == [[1], [2, 3]] and completed[0][-1].finished and completed[1] is None
     assert [d.new_token_ids for d in lost[0]] == [[1]] and lost[1] is died
     assert unfinished == ([], died)
