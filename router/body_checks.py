@@ -71,6 +71,11 @@ class BodyChecks:
         self.config = config
         self.model_name = model_name
 
+    def check_model(self, model: str) -> None:
+        """Raises OpenAIError (404 ``model_not_found``) unless ``model`` is the served model's name."""
+        if model != self.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+
     def check_completion(self, body: CompletionRequest) -> tuple[int, str]:
         """Check a ``/v1/completions`` body against the caps and the options supported.
 
@@ -137,8 +142,8 @@ class BodyChecks:
         return body.n, "n"
 
     def _check_common(self, body: _SamplingRequest) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise OpenAIError(f"The model `{body.model}` does not exist.", 404, param="model", code="model_not_found")
+        if body.model is not None:
+            self.check_model(body.model)
         if body.n > self.config.max_n:
             raise OpenAIError(f"n: must be at most {self.config.max_n}, got {body.n}", param="n", code="invalid_value")
         parse_logit_bias(body.logit_bias)  # the vocabulary is checked in _prepare

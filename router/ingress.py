@@ -1,8 +1,8 @@
 """The HTTP ingress: an OpenAI-compatible API (FastAPI) deployed on Ray Serve.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. Each request is validated (pydantic models in
-:mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
+``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. Each request is validated (pydantic
+models in :mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
 request per choice, choice ``j`` of each prompt of a seeded request using ``seed + j``. Replica
 requests go through a ``DeploymentHandle``; a streamed one's tokens come back over the replica's
@@ -49,7 +49,7 @@ from router.choice_stream import ChoiceStream, cancel_all
 from router.fanout import Fanout
 from router.body_checks import BodyChecks
 from router.preparation import RequestPreparer
-from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.replica_view import ReplicaView
 from router.responses import EventStream, ResponseFormatter, sse_frames
 
@@ -169,8 +169,7 @@ class OpenAIIngress:
         """
         if not model_id:
             return await self.models()
-        if model_id != self.model_name:
-            raise OpenAIError(f"The model `{model_id}` does not exist.", 404, param="model", code="model_not_found")
+        self.checks.check_model(model_id)
         return await self._model_card()
 
     async def _model_card(self) -> dict[str, Any]:

@@ -8,8 +8,8 @@ preemption really happens. At the end every replica must be idle with every bloc
 and each replica's resident memory (RSS of its process) may end at most ``MAX_RSS_GROWTH`` above
 where it was before the first request; each replica's and the ingress's, at most
 ``MAX_RSS_GROWTH_AFTER_WARMUP`` above where it was after a warm-up of ``WARMUP`` requests (the
-ingress's first requests load what it uses lazily). The figures are printed (run with ``-s``) and written to
-``$CARPOOL_SOAK_JSON`` when that is set.
+ingress's first requests load what it uses lazily). The figures are printed (run with ``-s``) and
+written to ``$CARPOOL_SOAK_JSON`` when that is set.
 
 Two mixes, one test each: ``mixed`` (random prompts) and ``shared-prefix``, where most prompts start
 with one of a few long shared headers, so that the prefix cache hits, shares blocks between running
@@ -31,6 +31,7 @@ import pytest
 
 from cluster.config import ServeConfig
 from replica.config import EngineConfig
+from tests.e2e.conftest import cluster_processes
 from tests.e2e.test_disconnects import assert_gauges_zero, metrics
 
 NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))
@@ -142,16 +143,12 @@ def replica_rss(served) -> dict[int, int]:
     return {s["pid"]: psutil.Process(s["pid"]).memory_info().rss for s in served.stats()}
 
 
-def ingress_rss(served) -> dict[int, int]:
-    """Resident set size (bytes) of the app's ingress process (its per-request state: delta
-    queues, connections, streams), by pid; Ray titles it ``ray::ServeReplica:<app>:OpenAIIngress``."""
-    title = f"ServeReplica:{served.name}:OpenAIIngress"
-    found = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if title in " ".join(p.info["cmdline"] or ()):
-            found[p.info["pid"]] = p.memory_info().rss
-    assert len(found) == 1, found
-    return found
+def served_rss(served) -> dict[int, int]:
+    """Resident set size (bytes) of each replica process and of the app's ingress process (its
+    per-request state: delta queues, connections, streams), by pid. The local Ray cluster is this
+    process's child, and Ray titles the ingress ``ray::ServeReplica:<app>:OpenAIIngress``."""
+    [ingress] = cluster_processes(os.getpid(), f"ServeReplica:{served.name}:OpenAIIngress")
+    return replica_rss(served) | {ingress.pid: ingress.memory_info().rss}
 
 
 @pytest.mark.timeout(3600)  # on the function: it must win over the e2e conftest's 240 s
@@ -164,7 +161,7 @@ def test_soak(served, shared_prefix):
     counts = asyncio.run(run_mix(served.base_url, warmup))
     assert counts.get("failed", 0) == 0, counts
     served.wait_idle(timeout_s=10)
-    rss_before = replica_rss(served) | ingress_rss(served)
+    rss_before = served_rss(served)
     before = metrics(served)
 
     started = time.monotonic()
@@ -174,10 +171,10 @@ def test_soak(served, shared_prefix):
         for key, value in asyncio.run(run_mix(served.base_url, mix[i : i + CHUNK])).items():
             counts[key] = counts.get(key, 0) + value
         served.wait_idle(timeout_s=10)
-        rss_trajectory.append([round(v / 2**20, 1) for v in (replica_rss(served) | ingress_rss(served)).values()])
+        rss_trajectory.append([round(v / 2**20, 1) for v in served_rss(served).values()])
     wall = time.monotonic() - started
     stats = served.wait_idle(timeout_s=10)
-    rss_after = replica_rss(served) | ingress_rss(served)
+    rss_after = served_rss(served)
     after = metrics(served)
     delta = {name: after[name] - before.get(name, 0.0) for name in (
         "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total",
