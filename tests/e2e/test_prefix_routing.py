@@ -67,10 +67,12 @@ FOLLOW_UPS = [
 def engine_config():
     from replica.config import EngineConfig
 
-    # float32 and greedy: the same replies whichever replica serves a turn. 8 seats per replica:
-    # the 8 conversations a replica holds never wait. 512 blocks of 16 tokens hold every prompt
-    # a replica sees in the run, even with load-only routing, without eviction.
-    return EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=512, num_blocks=512, compile=False)
+    # bfloat16: it prefills faster than float32 on CPU (the test took 115 s in float32, 75 s now).
+    # The best possible rate is counted from the replies actually sent, so it holds whichever
+    # replica wrote them. 8 seats per replica: the 8 conversations a replica holds never wait.
+    # 512 blocks of 16 tokens hold every prompt a replica sees in the run, even with load-only
+    # routing, without eviction.
+    return EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=512, num_blocks=512, compile=False)
 
 
 def first_question(c: int) -> str:
