@@ -1,10 +1,10 @@
 """Response formatting: replica outputs to OpenAI JSON bodies and server-sent events.
 
 Owns: each choice's accumulated output (:class:`Choice`); the bodies of ``/v1/completions`` and
-``/v1/chat/completions`` with usage and logprobs (:class:`ResponseFormatter`); their streamed
-events, ending with the usage chunk when asked for and an error event when a replica fails; and
-the SSE framing (:func:`sse_frames`, ``data: [DONE]`` last) in a response that runs its cleanup
-however it ends (:class:`EventStream`).
+``/v1/chat/completions`` with usage and logprobs (:class:`ResponseFormatter`; the logprobs objects
+come from :mod:`router.logprob_format`); their streamed events, ending with the usage chunk when
+asked for and an error event when a replica fails; and the SSE framing (:func:`sse_frames`,
+``data: [DONE]`` last) in a response that runs its cleanup however it ends (:class:`EventStream`).
 """
 
 # No "from __future__ import annotations", as in router/ingress.py.
@@ -18,16 +18,10 @@ from starlette.types import Receive, Scope, Send
 
 from replica.request import StepOutput, TokenLogprobs
 from router.errors import StreamError
+from router.logprob_format import LogprobFormatter
 from router.preparation import Prepared
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.tool_calls import ToolCallStream, parse_reply
-
-NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
-
-
-def _finite(value: float) -> float:
-    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
-
 
 class Choice:
     """One choice's output, accumulated from its deltas (:meth:`add`).
@@ -106,13 +100,12 @@ class ResponseFormatter:
     """Builds the OpenAI bodies and events of one model's responses.
 
     Args:
-        tokenizer: the model's tokenizer; logprobs name their tokens by decoding them one by one
-            (up to 200,000 decoded tokens are kept).
+        tokenizer: the model's tokenizer (logprobs: :class:`router.logprob_format.LogprobFormatter`).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._token_text: dict[int, str] = {}
+        self.logprobs = LogprobFormatter(tokenizer)
 
     def _usage(self, prepared: Prepared, choices: Iterable[Choice]) -> dict[str, int]:
         completion = sum(c.num_output_tokens for c in choices)
@@ -121,85 +114,6 @@ class ResponseFormatter:
             "completion_tokens": completion,
             "total_tokens": prepared.num_prompt_tokens + completion,
         }
-
-    def _token_str(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._token_text) < 200_000:
-                self._token_text[token_id] = text
-        return text
-
-    def _completion_logprobs(
-        self,
-        logprobs: list[TokenLogprobs],
-        offset: int,
-        prompt_ids: list[int] = (),
-        prompt: list[TokenLogprobs | None] | None = None,
-        k: int = 0,
-    ) -> dict[str, Any]:
-        """The legacy ``logprobs`` object of a completion choice: ``tokens``, ``token_logprobs``,
-        ``top_logprobs`` and ``text_offset`` (characters), for the output tokens from ``offset``
-        on; with ``prompt`` (echo: the prompt logprobs of ``prompt_ids``), first for the prompt
-        tokens from offset 0, the first token's entries ``null``, each with at most ``k``
-        alternatives, and the output tokens' offsets then continue from the prompt tokens' (the
-        sum of the token strings, which is not the prompt text's length when a token decodes to
-        part of a character)."""
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        prompt_offset = 0
-        for token_id, lp in zip(prompt_ids, prompt or ()):
-            token = self._token_str(token_id)
-            if lp is None:  # the first prompt token: nothing comes before it
-                value, top = None, None
-            else:
-                value = _finite(lp.logprob)
-                top = {self._token_str(t): _finite(v) for t, v in lp.top[:k]}
-                top.setdefault(token, value)
-            tokens.append(token)
-            token_logprobs.append(value)
-            tops.append(top)
-            offsets.append(prompt_offset)
-            prompt_offset += len(token)
-        if prompt is not None:
-            offset = prompt_offset  # one running offset over prompt and output tokens, as vLLM
-        for lp in logprobs:
-            token = self._token_str(lp.token_id)
-            tokens.append(token)
-            token_logprobs.append(_finite(lp.logprob))
-            top = {self._token_str(t): _finite(v) for t, v in lp.top}
-            top.setdefault(token, _finite(lp.logprob))
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def _prompt_logprobs(self, entries: list[TokenLogprobs | None] | None, k: int | None) -> list[dict[str, Any] | None] | None:
-        """vLLM's ``prompt_logprobs``: per prompt token ``null`` (the first) or a map from token id
-        to ``{"logprob", "rank", "decoded_token"}`` holding the prompt token and its ``k`` top
-        alternatives; None when ``k`` is None (not asked for)."""
-        if entries is None or k is None:
-            return None
-        out: list[dict[str, Any] | None] = []
-        for lp in entries:
-            if lp is None:
-                out.append(None)
-                continue
-            ranked = {t: (v, r) for r, (t, v) in enumerate(lp.top[:k], start=1)}
-            ranked[lp.token_id] = (lp.logprob, lp.rank)
-            out.append({
-                str(t): {"logprob": _finite(v), "rank": r, "decoded_token": self._token_str(t)} for t, (v, r) in ranked.items()
-            })
-        return out
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprobs]) -> list[dict[str, Any]]:
-        def entry(token_id: int, value: float) -> dict[str, Any]:
-            token = self._token_str(token_id)
-            return {"token": token, "logprob": _finite(value), "bytes": list(token.encode("utf-8"))}
-
-        return [
-            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-            for lp in logprobs
-        ]
 
     # ---- whole bodies --------------------------------------------------------------------------
     def completion_body(self, prepared: Prepared, body: CompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
@@ -212,7 +126,7 @@ class ResponseFormatter:
             logprobs = None
             if body.logprobs is not None:
                 scored = (prepared.prompts[c.prompt_index], c.prompt_logprobs, body.logprobs) if body.echo else ()
-                logprobs = self._completion_logprobs(c.logprobs, len(prefix), *scored)
+                logprobs = self.logprobs.completion(c.logprobs, len(prefix), *scored)
             out.append(
                 {
                     "index": c.index,
@@ -220,7 +134,7 @@ class ResponseFormatter:
                     "logprobs": logprobs,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "prompt_logprobs": self._prompt_logprobs(c.prompt_logprobs, body.prompt_logprobs),
+                    "prompt_logprobs": self.logprobs.prompt(c.prompt_logprobs, body.prompt_logprobs),
                 }
             )
         return _response_body(prepared, "text_completion", out, self._usage(prepared, choices))
@@ -242,13 +156,13 @@ class ResponseFormatter:
                 {
                     "index": c.index,
                     "message": message,
-                    "logprobs": {"content": self._chat_logprobs(c.logprobs)} if body.logprobs else None,
+                    "logprobs": {"content": self.logprobs.chat(c.logprobs)} if body.logprobs else None,
                     "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
         response = _response_body(prepared, "chat.completion", out, self._usage(prepared, choices))
-        response["prompt_logprobs"] = self._prompt_logprobs(choices[0].prompt_logprobs, body.prompt_logprobs)  # vLLM's place
+        response["prompt_logprobs"] = self.logprobs.prompt(choices[0].prompt_logprobs, body.prompt_logprobs)  # vLLM's place
         return response
 
     # ---- streamed events -------------------------------------------------------------------------
@@ -288,7 +202,7 @@ class ResponseFormatter:
                 prefix, scored = prepared.prompt_texts[p], (prepared.prompts[p], delta.prompt_logprobs, body.logprobs)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(delta.new_logprobs or [], offsets[index], *scored)
+                logprobs = self.logprobs.completion(delta.new_logprobs or [], offsets[index], *scored)
                 if logprobs["tokens"]:
                     offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             item = {
@@ -299,7 +213,7 @@ class ResponseFormatter:
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }
             if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
-                item["prompt_logprobs"] = self._prompt_logprobs(delta.prompt_logprobs, body.prompt_logprobs)
+                item["prompt_logprobs"] = self.logprobs.prompt(delta.prompt_logprobs, body.prompt_logprobs)
             return item
 
         return self._events(prepared, "text_completion", body, opening, deltas, entry, on_close)
@@ -324,7 +238,7 @@ class ResponseFormatter:
         def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
             prompt_logprobs = None
             if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
-                prompt_logprobs = self._prompt_logprobs(delta.prompt_logprobs, body.prompt_logprobs)
+                prompt_logprobs = self.logprobs.prompt(delta.prompt_logprobs, body.prompt_logprobs)
             text, calls, finish_reason = delta.new_text, [], delta.finish_reason
             if plan is not None:
                 text, calls = tool_streams[index].feed(delta.new_text, delta.finished)
@@ -338,7 +252,7 @@ class ResponseFormatter:
             item = {
                 "index": index,
                 "delta": message,
-                "logprobs": {"content": self._chat_logprobs(delta.new_logprobs or [])} if body.logprobs else None,
+                "logprobs": {"content": self.logprobs.chat(delta.new_logprobs or [])} if body.logprobs else None,
                 "finish_reason": finish_reason if delta.finished else None,
                 "stop_reason": delta.stop_reason if delta.finished else None,
             }
