@@ -20,8 +20,11 @@ where they cannot be built (the engine then uses the compiled formulation and to
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 SOURCES = [SOURCE, SOURCE.with_name("cpu_sampling.cpp")]
+NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 
 
@@ -43,6 +47,27 @@ def has_bf16_gemv() -> bool:
     return available() and torch.ops.carpool_cpu.has_bf16_gemv()
 
 
+@contextmanager
+def build_lock(build_directory: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_directory/carpool.flock`` while torch builds or
+    loads the extension there, and clear the ``lock`` file that a dead builder left behind.
+
+    torch's loader marks a build with a ``lock`` file and waits, without a timeout, for it to go;
+    a process killed during the build (a replica killed or OOM-killed on its first start) leaves
+    it, and every later start then hangs. The flock is released by the kernel when its holder
+    dies, and every Carpool process holds it while torch's ``lock`` exists, so a ``lock`` found
+    while holding the flock belongs to a dead process and is removed.
+    """
+    os.makedirs(build_directory, exist_ok=True)
+    with open(os.path.join(build_directory, "carpool.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released on close, or by the kernel if we die
+        stale = Path(build_directory) / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def load(cache_root: str | None = None) -> bool:
     """Build (or load from the extension cache) and register the CPU kernel; True if available.
 
@@ -53,18 +78,22 @@ def load(cache_root: str | None = None) -> bool:
     if cache_root:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache_root)
     try:
+        from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(
-            name="carpool_cpu_kernels",
-            sources=[str(path) for path in SOURCES],
-            # -fopenmp: at::parallel_for splits the kernels' loops over torch's threads only
-            # in code built with OpenMP (ATen/Parallel.h); without it they ran on one thread.
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_directory = _get_build_directory(NAME, verbose=False)
+        with build_lock(build_directory):
+            load_extension(
+                name=NAME,
+                build_directory=build_directory,
+                sources=[str(path) for path in SOURCES],
+                # -fopenmp: at::parallel_for splits the kernels' loops over torch's threads only
+                # in code built with OpenMP (ATen/Parallel.h); without it they ran on one thread.
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, ...
         logger.warning(
             "Carpool's CPU kernels could not be built (%s); using the compiled attention and torch's sampling", exc

@@ -23,6 +23,7 @@ from router.preparation import Prepared
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.tool_calls import ToolCallStream, parse_reply
 
+
 class Choice:
     """One choice's output, accumulated from its deltas (:meth:`add`).
 

@@ -19,10 +19,13 @@ that follow), counting hits as the engine does (whole blocks, leaving the last p
 compute). Prompts are tokenized with the model's chat template as the ingress does, and checked
 against the server's ``usage.prompt_tokens``.
 
-Asserted: cache-aware hit rate >= 80 % of the best possible and above load-only routing's (unless
-load-only happened to come within 5 % of the best possible: then there is nothing to beat); each
-replica served between 40 % and 60 % of the requests; at the end every KV block is free (cached or
-not) and each replica passes its integrity check.
+Each run's best possible rate is counted from its own requests (the replies, and so the later
+turns' prompts, may differ a little between the runs: in bfloat16 a prefill that starts from
+cached blocks may round differently from one that does not). Asserted: cache-aware hit rate
+>= 80 % of its best possible and above load-only routing's (unless load-only happened to come
+within 5 % of its own best possible: then there is nothing to beat); with cache-aware routing
+each replica served between 40 % and 60 % of the requests; at the end every KV block is free
+(cached or not) and each replica passes its integrity check.
 """
 
 from __future__ import annotations
@@ -68,10 +71,9 @@ def engine_config():
     from replica.config import EngineConfig
 
     # bfloat16: it prefills faster than float32 on CPU (the test took 115 s in float32, 75 s now).
-    # The best possible rate is counted from the replies actually sent, so it holds whichever
-    # replica wrote them. 8 seats per replica: the 8 conversations a replica holds never wait.
-    # 512 blocks of 16 tokens hold every prompt a replica sees in the run, even with load-only
-    # routing, without eviction.
+    # Each run's best possible rate is counted from the replies that run actually got. 8 seats
+    # per replica: the 8 conversations a replica holds never wait. 512 blocks of 16 tokens hold
+    # every prompt a replica sees in the run, even with load-only routing, without eviction.
     return EngineConfig(dtype="bfloat16", max_num_seqs=8, max_model_len=512, num_blocks=512, compile=False)
 
 
@@ -317,7 +319,7 @@ def test_cache_aware_routing_keeps_multi_turn_hits_on_2_nodes(tmp_path):
     report = {
         "cache-aware": {k: aware[k] for k in ("hit_rate", "served")},
         "seat-only": {k: seat_only[k] for k in ("hit_rate", "served")},
-        "best possible": aware["best"]["hit_rate"],
+        "best possible": {"cache-aware": aware["best"]["hit_rate"], "seat-only": seat_only["best"]["hit_rate"]},
         "timings": [{k: run[k] for k in ("deploy_s", "workload_s")} for run in result["runs"]],
     }
     print(json.dumps(report))
@@ -331,12 +333,13 @@ def test_cache_aware_routing_keeps_multi_turn_hits_on_2_nodes(tmp_path):
     total = NUM_CONVERSATIONS * NUM_TURNS
     assert sum(aware["served"]) == total and sum(seat_only["served"]) == total
     assert all(0.4 * total <= n <= 0.6 * total for n in aware["served"]), report
-    assert aware["queries"] == aware["best"]["queries"], (aware, report)
+    for run in (aware, seat_only):  # the replicas counted the queries the test counts
+        assert run["queries"] == run["best"]["queries"], (run, report)
     assert aware["hit_rate"] >= 0.8 * aware["best"]["hit_rate"], report
     # Load-only routing is now and then sticky by accident (a conversation's turns happen to find
-    # the replica they left least loaded); when that brings it within 5 % of the best possible
+    # the replica they left least loaded); when that brings it within 5 % of its best possible
     # rate, there is nothing left for cache-aware routing to beat, and the floor above still holds.
-    seat_only_at_ceiling = seat_only["hit_rate"] >= 0.95 * aware["best"]["hit_rate"]
+    seat_only_at_ceiling = seat_only["hit_rate"] >= 0.95 * seat_only["best"]["hit_rate"]
     assert aware["hit_rate"] > seat_only["hit_rate"] or seat_only_at_ceiling, report
 
 
