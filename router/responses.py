@@ -105,7 +105,6 @@ class ResponseFormatter:
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
         self.logprobs = LogprobFormatter(tokenizer)
 
     def _usage(self, prepared: Prepared, choices: Iterable[Choice]) -> dict[str, int]:
