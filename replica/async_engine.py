@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from replica.config import EngineConfig
-from replica.engine import EngineStats, LLMEngine
+from replica.engine import LLMEngine
+from replica.engine_stats import EngineStats
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.metrics import EngineMetrics
 from replica.request import Request, SamplingParams, StepOutput, merge_queued

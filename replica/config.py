@@ -12,17 +12,17 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-# dtype names accepted in settings -> torch dtype attribute ("auto": bfloat16, fast on
-# AVX-512-bf16 CPUs and on every recent GPU).
+# dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by
+# replica.model_loader.resolve_dtype: bfloat16 where the device computes it natively, else float32).
 DTYPE_NAMES = {
-    "auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
     "float32": "float32", "fp32": "float32", "float": "float32",
 }
 
 
 def check_dtype_name(dtype: str) -> str:
-    """The torch dtype attribute a dtype setting names (``"auto"`` → ``"bfloat16"``).
+    """The torch dtype attribute a dtype setting names (``"auto"`` stays ``"auto"``).
 
     Raises ``ValueError`` for an unknown name.
     """
@@ -40,7 +40,11 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
     dtype: str = Field(
         "auto",
-        description="Weights and KV dtype: auto (bfloat16), bfloat16, float16 or float32.",
+        description=(
+            "Weights and KV dtype: auto, bfloat16, float16 or float32. auto is bfloat16 on CUDA and on "
+            "CPUs whose oneDNN computes bfloat16 (AVX512 or AVX-NE-CONVERT), float32 on other CPUs "
+            "(AVX2 only), where bfloat16 matmuls are emulated and several times slower."
+        ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
     max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")

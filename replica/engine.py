@@ -10,19 +10,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 from torch.profiler import record_function
 
 from replica.config import EngineConfig
 from replica.block_manager import BlockManager
 from replica.detokenizer import IncrementalDetokenizer
+from replica.engine_stats import EngineStats
 from replica.metrics import EngineMetrics
 from replica.model_loader import load_tokenizer, resolve_model_path
 from replica.model_runner import ModelRunner
 from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
 from replica.request_builder import build_request, eos_token_ids
-from replica.scheduler import Scheduler, SchedulerOutput
+from replica.scheduler import Scheduler
+from replica.scheduler_output import SchedulerOutput
 from replica.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -33,27 +34,6 @@ MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 class EngineStateError(RuntimeError):
     """The engine's state can no longer be trusted; the engine must be replaced."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's load (what the router and the metrics read)."""
-
-    num_slots: int
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_steps: int
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
-    prefix_cache_hits: int = 0  # of those, tokens found cached
-    num_cached_blocks: int = 0  # blocks in the prefix cache now (owned or free)
-
-    @property
-    def slot_utilization(self) -> float:
-        return self.num_running / self.num_slots
 
 
 class LLMEngine:
@@ -362,20 +342,7 @@ class LLMEngine:
     def _refresh_stats(self) -> None:
         """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
         aborted request), and set the metrics' gauges from it."""
-        bm = self.block_manager
-        self._stats = stats = EngineStats(
-            num_slots=self.scheduler.max_num_seqs,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks,
-            kv_cache_usage=bm.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.scheduler.step_count,
-            prefix_cache_queries=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits=self.scheduler.prefix_cache_hits,
-            num_cached_blocks=bm.num_cached_blocks,
-        )
+        self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
         if self.metrics is not None:
             self.metrics.on_state(
                 num_slots=stats.num_slots,

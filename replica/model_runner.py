@@ -35,7 +35,7 @@ from replica.logprobs import token_logprobs
 from replica.model_loader import cache_dir, load_model, resolve_dtype
 from replica.request import TokenLogprobs
 from replica.sampler import Sampler, cpu_inversion
-from replica.scheduler import SchedulerOutput
+from replica.scheduler_output import SchedulerOutput
 from replica.shapes import padded_size
 
 logger = logging.getLogger(__name__)

@@ -23,48 +23,15 @@ like a padded static batch) until the last member ends.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Literal
 
 from replica.block_manager import BlockManager
 from replica.prefix_hash import extend_block_hashes
 from replica.request import FinishReason, Request, RequestStatus
+from replica.scheduler_output import ScheduledRequest, SchedulerOutput
 from replica.structured_output import DEAD_END
 
 SchedulingPolicy = Literal["continuous", "static"]
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    The step computes tokens ``[start, start + num_new_tokens)`` of ``request`` (prompt then
-    output). ``samples`` is true when the chunk reaches the last known token, so the step yields
-    a new token for it. Padding rows (static policy) recompute the last token at the next
-    position and their sample is thrown away.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    samples: bool
-    is_padding: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    step: int
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    newly_cached: list[int] = field(default_factory=list)  # blocks registered for this step to fill
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:

@@ -55,7 +55,7 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
     port = free_port()
     config = tmp_path / "carpool.json"
     # CLI options override the file: the file says port 1 (would fail), --port wins.
-    config.write_text(json.dumps({"replicas": 1, "port": 1, "engine": {"dtype": "bfloat16", "max_num_seqs": 4, "num_blocks": 64, "max_model_len": 512, "compile": False}}))
+    config.write_text(json.dumps({"replicas": 1, "port": 1, "engine": {"dtype": "auto", "max_num_seqs": 4, "num_blocks": 64, "max_model_len": 512, "compile": False}}))
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(
         [CARPOOL, "serve", "--config", str(config), "--port", str(port)],  # the API key from the environment

@@ -31,7 +31,7 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 def served(deploy, smollm2_path):
     config = ServeConfig(
         app_name="metrics",
-        engine=EngineConfig(model=smollm2_path, dtype="bfloat16", max_num_seqs=4, kv_cache_memory=64 << 20, compile=False),
+        engine=EngineConfig(model=smollm2_path, dtype="auto", max_num_seqs=4, kv_cache_memory=64 << 20, compile=False),
         served_model_name="smollm2",
     )
     with deploy(config, replicas=2) as served:

@@ -26,7 +26,7 @@ from cluster.config import ServeConfig
 from replica.config import EngineConfig
 
 ENGINE = EngineConfig(
-    dtype="bfloat16", max_num_seqs=4, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True,
+    dtype="auto", max_num_seqs=4, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True,
     compile=False,
 )
 CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)

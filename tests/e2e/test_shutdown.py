@@ -70,7 +70,7 @@ def stream(url: str, max_tokens: int, out: dict, first_event: threading.Event) -
 
 def test_sigterm_drains_then_exits(tmp_path):
     with carpool_serve(
-        tmp_path, "--replicas", "1", "--dtype", "bfloat16", "--seats", "4", "--num-blocks", "128",
+        tmp_path, "--replicas", "1", "--dtype", "auto", "--seats", "4", "--num-blocks", "128",
         "--max-model-len", "1024", "--shutdown-timeout", str(GRACE_S),
     ) as (proc, url, log_path):
         short, long_ = {}, {}

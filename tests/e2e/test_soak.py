@@ -45,7 +45,7 @@ CONCURRENCY = 48
 MAX_RSS_GROWTH = 0.05
 MAX_RSS_GROWTH_AFTER_WARMUP = 0.02
 # 16 seats but 40 blocks × 16 = 640 tokens of KV per replica: a few long requests fill it.
-ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=16, num_blocks=40, max_model_len=256)
+ENGINE = EngineConfig(dtype="auto", max_num_seqs=16, num_blocks=40, max_model_len=256)
 CONFIG = ServeConfig(app_name="e2e-soak", engine=ENGINE)
 WORDS = "the sea river light stone cloud winter garden music paper window mountain story city bird".split()
 # shared-prefix mix: 6 headers of 60 to 90 words (about 70 to 110 tokens) that most prompts start with.

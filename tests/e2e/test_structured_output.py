@@ -1,5 +1,5 @@
 """Structured output and tool calling, end to end (real Ray Serve with 2 replicas, real SmolLM2 in
-bfloat16, as served by default, the real ``openai`` client):
+the served default dtype, the real ``openai`` client):
 
 * 100 concurrent ``json_schema`` chat requests over four schemas (nested objects, arrays, enums,
   required fields) at temperature 1, every other one streamed: every reply parses and validates
@@ -29,7 +29,7 @@ import pytest
 from cluster.config import ServeConfig
 from replica.config import EngineConfig
 
-ENGINE = EngineConfig(dtype="bfloat16", max_num_seqs=32, max_model_len=1024, num_blocks=320, compile=False)
+ENGINE = EngineConfig(dtype="auto", max_num_seqs=32, max_model_len=1024, num_blocks=320, compile=False)
 # Streamed tokens travel as the replica call's own Ray stream here (batched_deltas off), so that
 # path stays tested; the other modules use the default batched-delta connections.
 CONFIG = ServeConfig(app_name="e2e-structured", engine=ENGINE, batched_deltas=False)

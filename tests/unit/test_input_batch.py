@@ -8,7 +8,7 @@ import torch
 
 from replica.input_batch import InputBatch, to_device
 from replica.request import Request, SamplingParams
-from replica.scheduler import ScheduledRequest
+from replica.scheduler_output import ScheduledRequest
 
 
 def _request(rid: str, prompt: list[int], blocks: list[int]) -> Request:

@@ -20,7 +20,8 @@ import pytest
 
 from replica.block_manager import BlockManager
 from replica.request import FinishReason, Request, RequestStatus, SamplingParams
-from replica.scheduler import Scheduler, SchedulerOutput
+from replica.scheduler import Scheduler
+from replica.scheduler_output import SchedulerOutput
 
 EOS = 2
 FILLER = 1000  # made-up sampled token: never EOS, never a stop id used below
