@@ -37,6 +37,25 @@ NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 
 
+def cpu_tag() -> str:
+    """A short name for this CPU's instruction sets (a hash of the flags in /proc/cpuinfo, or of
+    ``platform.processor()`` elsewhere). The kernels are built with ``-march=native``; keeping
+    each CPU's build in its own folder stops a cache shared by machines of different CPUs (a
+    volume mounted on every node) from handing one an AVX512 build it cannot run."""
+    import hashlib
+    import platform
+
+    flags = platform.machine() + platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, Arm
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
 def available() -> bool:
     """Whether :func:`load` built and registered the kernels in this process."""
     return _state.get("ok", False)
@@ -71,7 +90,8 @@ def build_lock(build_directory: str | os.PathLike) -> Iterator[None]:
 def load(cache_root: str | None = None) -> bool:
     """Build (or load from the extension cache) and register the CPU kernel; True if available.
 
-    ``cache_root``: where torch keeps built extensions, unless ``TORCH_EXTENSIONS_DIR`` is set.
+    ``cache_root``: where torch keeps built extensions, unless ``TORCH_EXTENSIONS_DIR`` is set;
+    the build goes to ``<it>/carpool_cpu_kernels/<cpu_tag()>``.
     """
     if "ok" in _state:
         return _state["ok"]
@@ -81,7 +101,7 @@ def load(cache_root: str | None = None) -> bool:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        build_directory = _get_build_directory(NAME, verbose=False)
+        build_directory = os.path.join(_get_build_directory(NAME, verbose=False), cpu_tag())
         with build_lock(build_directory):
             load_extension(
                 name=NAME,

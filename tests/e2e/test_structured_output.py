@@ -92,7 +92,9 @@ SCHEMAS = {
         "properties": {
             "kind": {"type": "string", "enum": ["meeting", "call", "trip"]},
             "attendees": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
-            "hours": {"type": "number", "minimum": 0, "maximum": 24},
+            # An integer: a JSON number's digits have no bound (a fraction may run on until
+            # max_tokens, as one did at temperature 1), so "number" would break the bound above.
+            "hours": {"type": "integer", "minimum": 1, "maximum": 24},
         },
         "required": ["kind", "attendees"],
         "additionalProperties": False,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,19 @@ def test_the_kernels_build_where_a_compiler_is():
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     assert BUILT, "replica/csrc/cpu_kernels.cpp failed to build (see the warning logged by cpu_kernels.load)"
+
+
+@needs_kernels
+def test_the_build_lives_in_a_folder_of_this_cpus_instruction_sets():
+    """Built with -march=native: a cache shared by nodes of different CPUs must not hand one the
+    other's build, so the build folder is named after this CPU's flags."""
+    import os
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(cpu_kernels.NAME, verbose=False)) / cpu_kernels.cpu_tag()
+    assert (folder / f"{cpu_kernels.NAME}.so").is_file(), sorted(os.listdir(folder.parent))
+    assert cpu_kernels.cpu_tag() == cpu_kernels.cpu_tag() and len(cpu_kernels.cpu_tag()) == 12
 
 
 def _decode_case(dtype, num_seqs=7, heads=9, kv_heads=3, dim=64, block_size=16, num_blocks=64, seed=0):
