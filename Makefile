@@ -5,10 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.carpool-installed
 PYTEST_ARGS ?=
-# Two pytest workers: the e2e tests (one Ray cluster) run in order on one, the engine and unit
-# tests on the other (tests/conftest.py's scheduler). Most e2e time is waiting (cluster and replica starts, health checks), and
-# the engine tests use one torch thread, so each half alone leaves a core idle.
-PYTEST_WORKERS ?= 2
 
 .PHONY: install test soak serve bench clean prometheus
 
@@ -28,7 +24,7 @@ prometheus:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 test: $(STAMP) prometheus
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The long run: 5,000 mixed requests against a served app (several minutes; prints its figures).
 soak: $(STAMP)

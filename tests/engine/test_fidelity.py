@@ -178,6 +178,35 @@ def test_batch_invariance(tiny_llama, variant):
     assert_idle(llm.engine)
 
 
+def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant):
+    """After the same prefill (alone both times), a request's decode logprobs are bit-identical
+    whether each decode step holds it alone or with 5 others. On CPU in float32 a step runs at
+    least 4 rows (``ModelRunner.min_rows``): on AVX2, torch's float32 linear gives 1 to 3 rows
+    other bits than 4 or more, and seeded sampling over a flat distribution picked another token."""
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, **variant)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompt = [random.Random(99).randrange(3, 49152) for _ in range(21)]
+
+    def decode_logprobs(mates: int) -> list:
+        engine.add_request("solo", prompt_token_ids=prompt, sampling_params=params)
+        logprobs = []
+        for out in engine.step():  # the prefill, alone
+            logprobs += out.new_logprobs or []
+        for m in range(mates):
+            engine.add_request(f"mate{m}", prompt_token_ids=prompt[: 5 + m], sampling_params=params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "solo":
+                    logprobs += out.new_logprobs or []
+        return logprobs
+
+    alone, among = decode_logprobs(0), decode_logprobs(5)
+    assert len(alone) == 12
+    assert alone == among
+    assert_idle(engine)
+
+
 def test_seeded_sampling_independent_of_batch_mates(tiny_llama, variant):
     """Same seed + prompt → same samples, whatever else is in the batch; other seeds differ."""
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16, **variant)

@@ -86,3 +86,18 @@ def test_packed_context_slots():
     cu = torch.tensor([0, 5, 7])
     slots = packed_context_slots(tables, seq_lens, cu, 7, block_size=4)
     assert slots.tolist() == [12, 13, 14, 15, 4, 8, 9]
+
+
+def test_min_rows_pads_the_tokens_and_the_logits_rows_of_a_small_step():
+    """float32 on CPU runs at least 4 tokens and 4 logits rows (``ModelRunner.min_rows``): one
+    decode becomes 4 tokens (3 on the spare slot) and 4 logits rows (the real one repeated)."""
+    batch = InputBatch(max_rows=4, max_model_len=64, block_size=4, padding_slot=99)
+    request = _request("a", [1, 2, 3, 4, 5], [7, 8])
+    step = batch.prepare([ScheduledRequest(request, 4, 1, True)], pad=False, min_rows=4)
+    assert step.input_ids.tolist() == [5, 0, 0, 0] and step.sequences.num_tokens == 4
+    assert step.sequences.slot_mapping.tolist() == [8 * 4 + 0, 99, 99, 99]
+    assert step.logits_indices.tolist() == [0, 0, 0, 0] and step.sample_rows == [0]
+    # A step that already has 4 rows is left as it is.
+    big = [ScheduledRequest(_request(f"b{i}", [1, 2], [i]), 0, 2, True) for i in range(3)]
+    step = batch.prepare(big, pad=False, min_rows=4)
+    assert step.sequences.num_tokens == 6 and step.logits_indices.tolist() == [1, 3, 5, 5]
