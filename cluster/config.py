@@ -77,7 +77,7 @@ class ServeConfig(IngressConfig):
         port: 8000
         engine:
           model: HuggingFaceTB/SmolLM2-135M-Instruct
-          dtype: bfloat16
+          dtype: auto
           max_num_seqs: 32
     """
 

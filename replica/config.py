@@ -41,9 +41,9 @@ class EngineConfig(BaseModel):
     dtype: str = Field(
         "auto",
         description=(
-            "Weights and KV dtype: auto, bfloat16, float16 or float32. auto is bfloat16 on CUDA and on "
-            "CPUs whose oneDNN computes bfloat16 (AVX512 or AVX-NE-CONVERT), float32 on other CPUs "
-            "(AVX2 only), where bfloat16 matmuls are emulated and several times slower."
+            "Weights and KV dtype: auto, bfloat16, float16 or float32. auto: bfloat16 on GPUs that have "
+            "it (else float16) and on CPUs with oneDNN's bf16 path (AVX512 or AVX-NE-CONVERT), float32 "
+            "on AVX2-only CPUs, where bfloat16 matmuls are emulated and several times slower."
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")

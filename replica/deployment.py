@@ -68,7 +68,8 @@ class LLMReplica:
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
-            self._replica_id, config.model, config.dtype, config.device, config.max_num_seqs,
+            self._replica_id, config.model, str(self.engine.engine.runner.dtype).removeprefix("torch."),
+            config.device, config.max_num_seqs,
             self.engine.stats().num_total_blocks, self.engine.max_model_len,
         )
 

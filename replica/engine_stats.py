@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from replica.block_manager import BlockManager
-from replica.scheduler import Scheduler
+if TYPE_CHECKING:
+    from replica.block_manager import BlockManager
+    from replica.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

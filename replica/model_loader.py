@@ -122,9 +122,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     where the device computes it natively, as vLLM's CPU backend recommends (its docs ask for
     AVX512 for bfloat16):
 
-    * CUDA: bfloat16 (every GPU since Ampere; float16 on older ones, which lack bf16);
-    * CPU: bfloat16 when this CPU's oneDNN computes it (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
-      AVX512BW/VL/DQ or AVX-NE-CONVERT), else float32. On an AVX2-only CPU (AMD Zen 3, for one)
+    * CUDA: bfloat16 where the GPU has it natively (Ampere and later), else float16;
+    * CPU: bfloat16 when this CPU's oneDNN has a bf16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
+      AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), else float32. On an
+      AVX2-only CPU (AMD before Zen 4, most Intel client CPUs)
       bfloat16 matmuls are emulated: measured 9x slower than float32 for a 128-row SmolLM2 MLP
       projection, one thread (29.2 vs 3.4 ms).
 
@@ -136,7 +137,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        with torch.cuda.device(torch.device(device)):  # that device, not the current one
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     return torch.float32

@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
-# On an AVX2 CPU (Zen 3, measured) torch's float32 linear gives 1 to 3 rows other bits than the
-# same rows among 4 to 300, which agree: CPU float32 steps run 4 tokens and logits rows at least.
+# On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
+# than the same rows among 4 to 300, which agree: CPU float32 steps run 4 tokens and rows at least.
+# (With 2 threads other small counts differ too: a replica runs one thread per core.)
 FLOAT32_MIN_ROWS = 4
 
 

@@ -49,7 +49,10 @@ def run_in_process(
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     wall = time.monotonic() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"threads": torch.get_num_threads(), "output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall}
+    return {
+        "threads": torch.get_num_threads(), "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "output_tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
+    }
 
 
 def run_served(
@@ -111,7 +114,7 @@ def overhead_main(
     print(f"served / in-process tok/s: {ratio:.2f}", flush=True)
     result = {
         "workload": f"seed-mix {num_requests} ({short}/{long} tokens), greedy, ignore_eos",
-        "max_num_seqs": max_num_seqs, "dtype": dtype, "in_process": local, "served": served,
+        "max_num_seqs": max_num_seqs, "dtype": local["dtype"], "in_process": local, "served": served,
         "served_over_in_process": ratio,
     }
     if json_path:

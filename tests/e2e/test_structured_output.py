@@ -93,8 +93,8 @@ SCHEMAS = {
             "kind": {"type": "string", "enum": ["meeting", "call", "trip"]},
             "attendees": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
             # An integer: a JSON number's digits have no bound (a fraction may run on until
-            # max_tokens, as one did at temperature 1), so "number" would break the bound above.
-            "hours": {"type": "integer", "minimum": 1, "maximum": 24},
+            # max_tokens, as one did at temperature 1), so a "number" would break MAX_TOKENS.
+            "hours": {"type": "integer", "minimum": 0, "maximum": 24},
         },
         "required": ["kind", "attendees"],
         "additionalProperties": False,

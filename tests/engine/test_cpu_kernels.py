@@ -42,7 +42,20 @@ def test_the_build_lives_in_a_folder_of_this_cpus_instruction_sets():
 
     folder = Path(_get_build_directory(cpu_kernels.NAME, verbose=False)) / cpu_kernels.cpu_tag()
     assert (folder / f"{cpu_kernels.NAME}.so").is_file(), sorted(os.listdir(folder.parent))
-    assert cpu_kernels.cpu_tag() == cpu_kernels.cpu_tag() and len(cpu_kernels.cpu_tag()) == 12
+
+
+def test_the_cpu_tag_follows_the_flags_not_their_order(tmp_path, monkeypatch):
+    real_path = Path
+
+    def tag_of(flags: str) -> str:
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(cpu_kernels, "Path", lambda p: info if str(p) == "/proc/cpuinfo" else real_path(p))
+        return cpu_kernels.cpu_tag()
+
+    avx2 = tag_of("fpu sse avx avx2 fma")
+    assert tag_of("avx2 fma fpu avx sse") == avx2
+    assert tag_of("fpu sse avx avx2 fma avx512f avx512bw") != avx2
 
 
 def _decode_case(dtype, num_seqs=7, heads=9, kv_heads=3, dim=64, block_size=16, num_blocks=64, seed=0):
