@@ -320,3 +320,22 @@ def test_metrics_count_kinds_compiles_and_cache_hits(smollm2_path, chat):
         engine.step()
     assert value("carpool:request_success_total", finished_reason="stop") >= 3
     assert_idle(engine)
+
+
+def test_a_bounded_json_number_accepts_in_range_values_only(smollm2_tokenizer):
+    """The e2e schemas keep to integers (a number's digits are unbounded at temperature 1); the
+    grammar's handling of a bounded ``number`` is checked here, token by token."""
+    from replica.structured_output import GrammarCompiler, StructuredOutputsParams
+
+    compiler = GrammarCompiler(smollm2_tokenizer, 49152)
+    schema = {"type": "object", "properties": {"hours": {"type": "number", "minimum": 0, "maximum": 24}},
+              "required": ["hours"], "additionalProperties": False}
+
+    def accepts(text: str) -> bool:
+        grammar = compiler.compile(StructuredOutputsParams(json=schema))
+        ok = all(grammar.accept(t) for t in smollm2_tokenizer.encode(text))
+        return ok and grammar.is_finished
+
+    assert accepts('{"hours": 5.5}') and accepts('{"hours": 24}') and accepts('{"hours": 0}')
+    for bad in ('{"hours": 25}', '{"hours": -1}', '{"hours": "5"}'):
+        assert not accepts(bad), bad
