@@ -13,7 +13,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 # dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by
-# replica.model_loader.resolve_dtype: bfloat16 where the device computes it natively, else float32).
+# replica.model_loader.resolve_dtype: bfloat16 where the device has it, else float16 on a GPU and
+# float32 on a CPU).
 DTYPE_NAMES = {
     "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
