@@ -106,9 +106,16 @@ def prepack_linears(model: torch.nn.Module) -> int:
 
 
 def use_compile_cache(directory: str) -> None:
-    """Keep inductor's compiled code under ``directory`` (unless ``TORCHINDUCTOR_CACHE_DIR`` is set),
-    so that it survives restarts (the default, /tmp, may not)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", directory)
+    """Keep inductor's compiled code under ``directory``, so that it survives restarts (the
+    default, /tmp/torchinductor_<user>, may not), unless the user set ``TORCHINDUCTOR_CACHE_DIR``
+    to another folder. Torch's own ``cache_dir()`` writes its default into that variable the first
+    time anything asks (an import below ``replica.attention`` does), so the default counts as
+    unset: a plain ``setdefault`` left the cache in /tmp."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
 
 
 def compile_decoder(model: torch.nn.Module) -> None:
