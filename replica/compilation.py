@@ -1,7 +1,9 @@
 """Fast paths for the model's dense part: oneDNN-prepacked linear layers on CPU, and torch.compile
 of each decoder layer.
 
-* **Prepacked linears (CPU, bf16/fp16).** torch's eager ``linear`` hands oneDNN a plain weight,
+* **Prepacked linears (CPU).** float32 layers go to Carpool's own kernel where it is built
+  (``replica/csrc/cpu_linear_f32.cpp``: AVX2 and FMA; batch-invariant, and faster than torch's
+  MKL path at every row count measured, figures in ``docs/bench/cpu-speed.md``). For bf16/fp16: torch's eager ``linear`` hands oneDNN a plain weight,
   which oneDNN reorders into its blocked layout on every call; at decode batch sizes that reorder
   costs about as much as the matmul (measured: 30 SmolLM2 layers at 4 tokens, 32.5 ms eager vs
   18.0 ms prepacked, one thread). :func:`prepack_linears` reorders each weight once
@@ -63,44 +65,72 @@ def _packed_forward_cpp(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     )
 
 
-def prepack_linears(model: torch.nn.Module) -> int:
-    """Route every ``nn.Linear`` of ``model`` through a oneDNN-prepacked copy of its weight.
+def _f32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.carpool_cpu.f32_linear(x, self.carpool_f32_weight, self.bias, self.out_features)
 
-    With Carpool's CPU kernels, a bf16 model and AVX512-BF16, each weight is packed for Carpool's
-    bf16 kernel instead, which serves every number of rows (faster than oneDNN up to about 128,
-    even with it above) and gives each row the same result whatever its batch (see
-    ``replica/csrc/cpu_kernels.cpp``); no oneDNN copy is kept then. The original weight is released (an empty tensor of its dtype stays as
-    ``weight``), unless the input embedding shares it (a tied output embedding). Returns the number
-    of layers packed: 0 unless the model is bfloat16 or float16 and this CPU's oneDNN computes that
-    type (float16 needs avx512_fp16 or avx_ne_convert).
+
+def prepack_linears(model: torch.nn.Module) -> int:
+    """Route every ``nn.Linear`` of ``model`` through a prepacked copy of its weight.
+
+    * float32, with Carpool's CPU kernels built on a CPU with AVX2 and FMA: Carpool's float32
+      kernel (``replica/csrc/cpu_linear_f32.cpp``, weight from ``pack_f32_weight``), faster than
+      torch's (MKL's) at every row count measured and batch-invariant.
+    * bfloat16 with AVX512-BF16 and the kernels built: Carpool's bf16 kernel, which serves every
+      number of rows (faster than oneDNN up to about 128, even with it above) and gives each row
+      the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``).
+    * other bfloat16 or float16 models where this CPU's oneDNN computes that type (float16 needs
+      avx512_fp16 or avx_ne_convert): oneDNN on its own prepacked layout.
+
+    The original weight is released (an empty tensor of its dtype stays as ``weight``), unless
+    the input embedding shares it (a tied output embedding). Returns the number of layers packed:
+    0 where none of the above applies (the layers stay torch's own ``F.linear``).
     """
+    from replica import cpu_kernels
+
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        if not cpu_kernels.has_f32_gemv():
+            return 0
+        return _pack_each(model, _pack_f32)
     if not torch.backends.mkldnn.is_available():
         return 0
-    dtype = next(model.parameters()).dtype
     supported = {
         torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
         torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,  # needs avx512_fp16 or avx_ne_convert
     }
     if dtype not in supported or not supported[dtype]():
-        return 0  # the layers stay torch's own F.linear
-    from replica import cpu_kernels
-
+        return 0
     forward = _packed_forward_cpp if cpu_kernels.available() else _packed_forward
     gemv = cpu_kernels.has_bf16_gemv()
+
+    def pack(module: torch.nn.Linear, weight: torch.Tensor) -> None:
+        if gemv and weight.dtype == torch.bfloat16:  # Carpool's kernel serves every row count
+            module.carpool_gemv_weight = torch.ops.carpool_cpu.pack_bf16_weight(weight)
+            module.carpool_packed_weight = weight.new_empty(0)
+        else:
+            module.carpool_gemv_weight = None
+            module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        module.forward = types.MethodType(forward, module)
+
+    return _pack_each(model, pack)
+
+
+def _pack_f32(module: torch.nn.Linear, weight: torch.Tensor) -> None:
+    module.carpool_f32_weight = torch.ops.carpool_cpu.pack_f32_weight(weight)
+    module.forward = types.MethodType(_f32_forward, module)
+
+
+def _pack_each(model: torch.nn.Module, pack) -> int:
+    """``pack(module, weight)`` for every CPU ``nn.Linear``; then release its weight unless the
+    input embedding shares it. Returns the number packed."""
     shared = {id(p) for p in model.get_input_embeddings().parameters()}
     packed = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu":
             weight = module.weight.detach()
-            if gemv and weight.dtype == torch.bfloat16:  # Carpool's kernel serves every row count
-                module.carpool_gemv_weight = torch.ops.carpool_cpu.pack_bf16_weight(weight)
-                module.carpool_packed_weight = weight.new_empty(0)
-            else:
-                module.carpool_gemv_weight = None
-                module.carpool_packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            pack(module, weight)
             if id(module.weight) not in shared:  # the packed copies replace it (a tied one stays)
                 module.weight.data = weight.new_empty(0)
-            module.forward = types.MethodType(forward, module)
             packed += 1
     return packed
 

@@ -1,7 +1,8 @@
 """Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp`` and ``cpu_sampling.cpp``), built
 on first use with torch's C++ extension loader and cached: paged decode attention, linear layers
-on prepacked weights (``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, at any
-number of rows and batch-invariant, oneDNN otherwise, called without Python in between), and the
+on prepacked weights (``f32_linear``: Carpool's float32 kernel on CPUs with AVX2 and FMA;
+``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
+without Python in between; Carpool's kernels serve any number of rows and are batch-invariant), and the
 sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
@@ -14,7 +15,8 @@ backend (SDPA). The sampling kernels' reasons are at the top of their source.
 
 :func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the
 ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
-``has_bf16_gemv``, ``argmax_rows``, ``sample_rows``); it returns False, once with a warning,
+``has_bf16_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
+``sample_rows``); it returns False, once with a warning,
 where they cannot be built (the engine then uses the compiled formulation and torch's sampling).
 """
 
@@ -32,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-SOURCES = [SOURCE, SOURCE.with_name("cpu_sampling.cpp")]
+SOURCES = [SOURCE, SOURCE.with_name("cpu_sampling.cpp"), SOURCE.with_name("cpu_linear_f32.cpp")]
 NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 
@@ -59,6 +61,11 @@ def cpu_tag() -> str:
 def available() -> bool:
     """Whether :func:`load` built and registered the kernels in this process."""
     return _state.get("ok", False)
+
+
+def has_f32_gemv() -> bool:
+    """Whether Carpool's float32 linear kernel is built (the CPU has AVX2 and FMA)."""
+    return available() and torch.ops.carpool_cpu.has_f32_gemv()
 
 
 def has_bf16_gemv() -> bool:
@@ -127,6 +134,10 @@ def load(cache_root: str | None = None) -> bool:
 
     @torch.library.register_fake("carpool_cpu::packed_linear")
     def _(x, onednn_weight, gemv_weight, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("carpool_cpu::f32_linear")
+    def _(x, packed, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
     _state["ok"] = True

@@ -6,9 +6,10 @@ builds tensors. Per step: the step's flat inputs from the persistent batch
 one host-to-device copy), one plan of the attention backend (:mod:`replica.attention_backends`),
 one forward with our paged attention, logits only where a token is sampled (``logits_to_keep``).
 
-Fast paths (:mod:`replica.compilation`): on CPU, bfloat16/float16 linear layers use prepacked
-weights and steps are padded to a few token counts (:func:`replica.shapes.padded_size`), float32
-steps to 4 rows at least (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the decoder under
+Fast paths (:mod:`replica.compilation`): on CPU, linear layers use prepacked weights (float32 ones
+Carpool's kernel), bfloat16/float16 steps are padded to a few token counts
+(:func:`replica.shapes.padded_size`), and float32 steps to 4 rows at least where Carpool's
+kernel is not built (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the decoder under
 torch.compile, ``compile=False`` eagerly. Compiled on CPU, a step of decodes and small prefill
 chunks runs its attention as one decode query per token inside the graph
 (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
@@ -41,8 +42,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 # On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
-# than the same rows among 4 to 300, which agree: CPU float32 steps run 4 tokens and rows at least.
-# (With 2 threads other small counts differ too: a replica runs one thread per core.)
+# than the same rows among 4 to 300, which agree: where Carpool's float32 kernel (batch-invariant)
+# is not built, CPU float32 steps run 4 tokens and rows at least. (With 2 threads other small
+# counts differ too: a replica runs one thread per core.)
 FLOAT32_MIN_ROWS = 4
 
 
@@ -146,7 +148,9 @@ class ModelRunner:
         self.backend = self._make_backend(attention_backend)
         attach_kv_cache(self.model, self.kv_cache.key_cache, self.kv_cache.value_cache)
         sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
-        self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" and sixteen_bit else 0
+        if self.device.type == "cpu":
+            cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
+        self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
         if compile:
             use_compile_cache(str(cache_dir() / "inductor"))
             compile_decoder(self.model)
@@ -155,10 +159,9 @@ class ModelRunner:
         # On CPU in 16-bit dtypes (oneDNN's matmuls; float32 ones go to BLAS), steps are padded to
         # a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
-        self.min_rows = FLOAT32_MIN_ROWS if self.device.type == "cpu" and self.dtype == torch.float32 else 1
+        float32_blas = self.device.type == "cpu" and self.dtype == torch.float32 and not self.num_packed
+        self.min_rows = FLOAT32_MIN_ROWS if float32_blas else 1
         self.sampler = Sampler()
-        if self.device.type == "cpu":
-            cpu_inversion()  # build or load the sampling kernel now, not in the first random step
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
 

@@ -7,8 +7,8 @@ cluster (``conftest.ray_cluster``), so the test runs this module as a script in 
 the custom resource ``carpool_replica_slot``, which each replica reserves, so one replica lands on
 each node. Serve's HTTP proxy runs on the head node only, on a free port.
 
-Workload: 16 conversations of 4 turns, all starting at once: a shared system prompt (about 35
-tokens with the template), then each conversation's own itinerary of about 265 tokens; each turn
+Workload: 16 conversations of 3 turns, all starting at once: a shared system prompt (about 35
+tokens with the template), then each conversation's own itinerary of about 175 tokens; each turn
 resends the whole conversation (the assistant's real replies included) plus a new question, after
 a pause of up to 0.6 s; greedy, 12 new tokens, through the ``openai`` client. It runs twice on
 fresh apps (cold caches): cache-aware routing (``prefix_aware_routing=True``), then load alone.
@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_TIMEOUT_S = 220
 NODE_RESOURCE = "carpool_replica_slot"
 NUM_CONVERSATIONS = 16
-NUM_TURNS = 4
+NUM_LEGS = 8
+NUM_TURNS = 3
 MAX_TOKENS = 12
 MAX_THINK_S = 0.6
 """A user's pause before the next turn: uniform in [0, this] seconds. Without pauses, load-only
@@ -80,11 +81,11 @@ def engine_config():
 
 
 def first_question(c: int) -> str:
-    """A conversation's own opening: an itinerary of 12 legs (about 265 tokens), then a question.
+    """A conversation's own opening: an itinerary of 8 legs (about 175 tokens), then a question.
     Each conversation's differs, so what a replica can reuse of a later turn is mostly that
     conversation's own earlier turns, not the shared system prompt."""
     legs = []
-    for i in range(12):
+    for i in range(NUM_LEGS):
         a, b = CITIES[(c + 3 * i) % len(CITIES)], CITIES[(c + 3 * i + 7) % len(CITIES)]
         legs.append(f"Leg {i + 1}: {a} to {b}, {6 + (c + i) % 12}:{(7 * c + 11 * i) % 60:02d}, {19 + (5 * c + 3 * i) % 80} euros.")
     return "Here is my itinerary. " + " ".join(legs) + " Is this a sensible plan?"

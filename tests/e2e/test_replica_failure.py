@@ -3,7 +3,7 @@
 * A replica process killed with SIGKILL while it streams: its streams that have sent text get an
   OpenAI-style 503 (an error event then ``[DONE]``) instead of a hang; its requests that had sent
   nothing yet (waiting for a seat) are started again on the live replica and succeed; new
-  requests go to the live replica; Serve starts a new replica and both serve again within 60 s.
+  requests go to the live replica; Serve starts a new replica and both serve again within 120 s.
 * Both engine loops wedged (fault injection: ``EngineConfig.enable_fault_injection`` lets
   ``LLMReplica.inject_stall(s)`` put the loop thread to sleep for ``s`` seconds in its next step):
   once no step has finished for ``stall_timeout_s`` with work queued, the health check fails, Serve
@@ -30,10 +30,13 @@ ENGINE = EngineConfig(
     compile=False,
 )
 CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)
-RECOVERY_S = 60.0  # a killed replica: back to full capacity within this
+# A killed replica: back to full capacity within this. The replacement starts (a new process,
+# imports, weights, warm-up) on the same 2 cores while the live replica serves; on CI's AVX2
+# machine that took 63 s once, in float32.
+RECOVERY_S = 120.0
 # Wedged loops: stall_timeout_s, then Serve's 3 failed health checks 5 s apart, then the
 # replacement of both replicas at once on 2 shared cores.
-WEDGE_RECOVERY_S = 90.0
+WEDGE_RECOVERY_S = 150.0
 
 
 @pytest.fixture(scope="module")

@@ -180,13 +180,19 @@ def test_batch_invariance(tiny_llama, variant):
 
 def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant):
     """After the same prefill (alone both times), a request's decode logprobs are bit-identical
-    whether each decode step holds it alone or with 5 others. On CPU in float32 a step runs at
-    least 4 rows (``FLOAT32_MIN_ROWS``): on AVX2, torch's float32 linear gives 1 to 3 rows
-    other bits than 4 or more, and seeded sampling over a flat distribution picked another token."""
+    whether each decode step holds it alone or with 5 others. On CPU in float32 the linears are
+    Carpool's kernel, which computes a row the same way whatever its batch (where it is not
+    built, a step runs at least 4 rows, ``FLOAT32_MIN_ROWS``): on AVX2, torch's float32 linear
+    gives 1 to 3 rows other bits than 4 or more, and seeded sampling over a flat distribution
+    picked another token."""
     if TEST_DEVICE != "cpu":
-        pytest.skip("CPU float32's row floor; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
+        pytest.skip("CPU float32 linears; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
+    from replica import cpu_kernels
+
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, **variant)
     engine = llm.engine
+    if cpu_kernels.has_f32_gemv():  # the kernel, not the row floor, keeps the bits
+        assert engine.runner.num_packed > 0 and engine.runner.min_rows == 1
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompt = [random.Random(99).randrange(3, 49152) for _ in range(21)]
 

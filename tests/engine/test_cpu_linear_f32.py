@@ -1,0 +1,100 @@
+"""Carpool's float32 linear kernel (``replica/csrc/cpu_linear_f32.cpp``) against float64 and
+against itself: within the rounding bound of a float32 dot product, a row's bits the same in any
+batch, and the engine's linears routed through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica import cpu_kernels
+from replica.model_loader import cache_dir
+
+BUILT = cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+pytestmark = pytest.mark.skipif(
+    not (BUILT and cpu_kernels.has_f32_gemv()), reason="Carpool's float32 kernel needs the CPU kernels and AVX2 + FMA"
+)
+ops = torch.ops.carpool_cpu if BUILT else None
+
+
+def _case(rows: int, in_features: int, out_features: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) / 10
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(1, rows, in_features, generator=g)
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40, 300])
+@pytest.mark.parametrize("shape", [(576, 1536), (1537, 575), (64, 100), (3, 5)])
+def test_f32_linear_is_within_the_dot_product_rounding_bound(rows, shape):
+    """|got - exact| <= K u sum_k |x_k w_k| + u |b| (u = 2**-24): the error bound of a float32
+    dot product summed in any order (Higham, Accuracy and Stability of Numerical Algorithms, 2nd
+    ed., eq. 3.5), against the product computed in float64."""
+    in_features, out_features = shape
+    x, weight, bias = _case(rows, in_features, out_features, seed=rows)
+    packed = ops.pack_f32_weight(weight)
+    u = 2.0**-24
+    for b in (None, bias):
+        got = ops.f32_linear(x, packed, b, out_features)
+        assert got.shape == (1, rows, out_features) and got.dtype == torch.float32
+        exact = x.double() @ weight.double().T + (b.double() if b is not None else 0)
+        magnitude = x.double().abs() @ weight.double().abs().T
+        bound = in_features * u * magnitude + (u * b.double().abs() if b is not None else 0) + 1e-30
+        assert ((got.double() - exact).abs() <= bound).all(), (rows, shape)
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (575, 100)])
+def test_a_row_gets_the_same_bits_in_any_batch(shape):
+    """Batch invariance at its root: a row's output is bit-identical whether its step has 1 row or
+    300 (a decode alone, batched, or a prefill chunk), so a request's tokens do not depend on its
+    batch mates. torch's float32 linear (MKL) gives 1 to 3 rows other bits than 4 or more on AVX2."""
+    in_features, out_features = shape
+    x, weight, bias = _case(300, in_features, out_features, seed=1)
+    packed = ops.pack_f32_weight(weight)
+    alone = torch.cat([ops.f32_linear(x[:, i : i + 1], packed, bias, out_features) for i in range(300)], dim=1)
+    for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 33, 300):
+        assert torch.equal(ops.f32_linear(x[:, :rows], packed, bias, out_features), alone[:, :rows]), rows
+    # Any rows of the batch, not only its first ones.
+    assert torch.equal(ops.f32_linear(x[:, 100:117], packed, bias, out_features), alone[:, 100:117])
+
+
+def test_no_rows_give_no_rows():
+    """A prefill chunk that samples nothing keeps no logits: the output embedding gets 0 rows."""
+    x, weight, _ = _case(0, 64, 100)
+    assert ops.f32_linear(x, ops.pack_f32_weight(weight), None, 100).shape == (1, 0, 100)
+
+
+def test_bad_inputs_are_refused_with_a_reason():
+    x, weight, bias = _case(3, 64, 100)
+    packed = ops.pack_f32_weight(weight)
+    with pytest.raises(RuntimeError, match="must be float32"):
+        ops.f32_linear(x.double(), packed, bias, 100)
+    with pytest.raises(RuntimeError, match="do not match the packed weight"):
+        ops.f32_linear(x[..., :63], packed, bias, 100)
+    with pytest.raises(RuntimeError, match="bias must have 100 elements"):
+        ops.f32_linear(x, packed, bias[:99], 100)
+    with pytest.raises(RuntimeError, match="pack_f32_weight: a 2-D float32 weight"):
+        ops.pack_f32_weight(weight.bfloat16())
+
+
+def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
+    """Every linear of a float32 model is packed, its weight released (the tied output embedding
+    keeps the input embedding's), and the logits stay those of torch's own linears within float32
+    rounding; the greedy token is the same."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.compilation import prepack_linears
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert prepack_linears(model) == len(linears) > 0
+    tied = model.get_output_embeddings()
+    assert all(m.weight.numel() == 0 for m in linears if m is not tied)
+    assert tied.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    ids = torch.tensor([[5, 900, 31, 7000, 12, 40000, 3]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
