@@ -1,16 +1,18 @@
-"""Fast paths for the model's dense part: oneDNN-prepacked linear layers on CPU, and torch.compile
-of each decoder layer.
+"""Fast paths for the model's dense part: prepacked linear layers on CPU, and torch.compile of the
+decoder.
 
-* **Prepacked linears (CPU).** float32 layers go to Carpool's own kernel where it is built
-  (``replica/csrc/cpu_linear_f32.cpp``: AVX2 and FMA; batch-invariant, and faster than torch's
-  MKL path at every row count measured, figures in ``docs/bench/cpu-speed.md``). For bf16/fp16: torch's eager ``linear`` hands oneDNN a plain weight,
+* **Prepacked float32 linears (CPU).** Where Carpool's CPU kernels are built on a CPU with AVX2
+  and FMA, float32 layers go to Carpool's own kernel (``replica/csrc/cpu_linear_f32.cpp``):
+  batch-invariant, and faster than torch's (MKL's) at every row count measured on a Zen 3 core,
+  1 to 512 rows (``docs/bench/cpu-speed.md``); its rounding differs from MKL's in the last bits.
+* **Prepacked 16-bit linears (CPU).** torch's eager ``linear`` hands oneDNN a plain weight,
   which oneDNN reorders into its blocked layout on every call; at decode batch sizes that reorder
   costs about as much as the matmul (measured: 30 SmolLM2 layers at 4 tokens, 32.5 ms eager vs
   18.0 ms prepacked, one thread). :func:`prepack_linears` reorders each weight once
   (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does) and routes the
   layer through an opaque op around ``torch.ops.mkldnn._linear_pointwise``: Carpool's C++
   ``carpool_cpu::packed_linear`` when its CPU kernels are built (no Python between the compiled
-  graph and oneDNN), else the Python custom op ``carpool::packed_linear``. Results are
+  graph and oneDNN), else the Python custom op ``carpool::packed_linear``. oneDNN's results are
   bit-identical to ``F.linear``. On CPUs with AVX512-BF16, bf16 weights are packed for Carpool's
   own bf16 kernel instead (``replica/csrc/cpu_kernels.cpp``): faster than oneDNN up to about 128
   rows and even with it above, and a row's result never depends on the other rows of its step.

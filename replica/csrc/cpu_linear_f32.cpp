@@ -10,7 +10,8 @@
 // Why our own: torch's float32 linear goes to MKL's sgemm, which on the 2-core AVX2 machine (AMD
 // EPYC Zen 3, one thread) reads a decode step's weights far below the memory's speed once a step
 // has a few rows: SmolLM2's 30 layers and output embedding, weights read from DRAM as in a step,
-// 73 ms at 1 row, 154 ms at 4, 163 ms at 8 (oneDNN on prepacked weights: 103, 104, 141 ms). It
+// 68 ms at 1 row, 136 ms at 4, 200 ms at 8 (oneDNN on prepacked weights, another run: 103, 104,
+// 141 ms). It
 // also gives a row other bits among 1 to 3 rows than among 4 or more, so a request's tokens
 // depended on its batch. Figures for this kernel: docs/bench/cpu-speed.md.
 //
@@ -106,6 +107,10 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   TORCH_CHECK(!has_bias || bias->numel() == N, "f32_linear: bias must have ", N, " elements");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
+  if (K == 0) {  // an empty sum: the bias alone
+    auto y = at::zeros(shape, x.options());
+    return has_bias ? y + bias->to(at::kFloat) : y;
+  }
   auto y = at::empty(shape, x.options());
   if (rows == 0) return y;
 #if defined(__AVX2__) && defined(__FMA__)

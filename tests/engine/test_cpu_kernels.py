@@ -237,14 +237,18 @@ def test_the_kernels_give_the_same_bits_on_one_and_two_threads(dtype):
     onednn = weight.new_empty(0) if gemv is not None or not PACKS_BF16 else torch.ops.mkldnn._reorder_linear_weight(weight)
     logits = torch.randn(64, 49152, generator=g) * 3
     uniforms = torch.rand(64, dtype=torch.float64, generator=g)
+    f32 = torch.ops.carpool_cpu.pack_f32_weight(weight.float()) if cpu_kernels.has_f32_gemv() else None
 
     def run() -> list[torch.Tensor]:
         kc, vc = key_cache.clone(), value_cache.clone()
         attention = torch.ops.carpool_cpu.decode_attention(query, key, value, kc, vc, slots, tables, lens, block_size, 0.125)
         sampled = torch.ops.carpool_cpu.sample_rows(logits, uniforms)
-        if not PACKS_BF16:  # no packed bf16 linear on this CPU (see needs_bf16_packing)
-            return [attention, kc, vc, sampled]
-        return [attention, kc, vc, sampled, torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, None, 576)]
+        out = [attention, kc, vc, sampled]
+        if f32 is not None:  # Carpool's float32 linear (AVX2 + FMA)
+            out.append(torch.ops.carpool_cpu.f32_linear(x.float(), f32, None, 576))
+        if PACKS_BF16:  # a packed bf16 linear exists on this CPU (see needs_bf16_packing)
+            out.append(torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, None, 576))
+        return out
 
     threads = torch.get_num_threads()
     try:

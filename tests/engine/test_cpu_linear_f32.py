@@ -65,6 +65,13 @@ def test_no_rows_give_no_rows():
     assert ops.f32_linear(x, ops.pack_f32_weight(weight), None, 100).shape == (1, 0, 100)
 
 
+def test_no_input_features_give_the_bias():
+    bias = torch.arange(5, dtype=torch.float32)
+    packed = ops.pack_f32_weight(torch.empty(5, 0))
+    assert torch.equal(ops.f32_linear(torch.empty(2, 0), packed, bias, 5), bias.expand(2, 5))
+    assert torch.equal(ops.f32_linear(torch.empty(2, 0), packed, None, 5), torch.zeros(2, 5))
+
+
 def test_bad_inputs_are_refused_with_a_reason():
     x, weight, bias = _case(3, 64, 100)
     packed = ops.pack_f32_weight(weight)

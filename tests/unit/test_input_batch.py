@@ -89,7 +89,8 @@ def test_packed_context_slots():
 
 
 def test_min_rows_pads_the_tokens_and_the_logits_rows_of_a_small_step():
-    """float32 on CPU runs at least 4 tokens and 4 logits rows (``ModelRunner.min_rows``): one
+    """float32 on CPU without Carpool's float32 kernel runs at least 4 tokens and 4 logits rows
+    (``ModelRunner.min_rows``): one
     decode becomes 4 tokens (3 on the spare slot) and 4 logits rows (the real one repeated)."""
     batch = InputBatch(max_rows=4, max_model_len=64, block_size=4, padding_slot=99)
     request = _request("a", [1, 2, 3, 4, 5], [7, 8])
