@@ -9,11 +9,10 @@
 //
 // Why our own: torch's float32 linear goes to MKL's sgemm, which on the 2-core AVX2 machine (AMD
 // EPYC Zen 3, one thread) reads a decode step's weights far below the memory's speed once a step
-// has a few rows: SmolLM2's 30 layers and output embedding, weights read from DRAM as in a step,
-// 68 ms at 1 row, 136 ms at 4, 200 ms at 8 (oneDNN on prepacked weights, another run: 103, 104,
-// 141 ms). It
-// also gives a row other bits among 1 to 3 rows than among 4 or more, so a request's tokens
-// depended on its batch. Figures for this kernel: docs/bench/cpu-speed.md.
+// has a few rows: for SmolLM2's 30 layers and output embedding, about twice this kernel's time at
+// 2 to 8 rows (oneDNN on prepacked weights was no better). It also gives a row other bits among 1
+// to 3 rows than among 4 or more, so a request's tokens depended on its batch. Figures, and the
+// script that measures them: docs/bench/cpu-speed.md, "One float32 kernel for AVX2 CPUs".
 //
 // The micro-kernel (f32_rows) computes a block of up to 6 rows x 16 outputs over the whole of K:
 // 12 accumulators of 8 floats, 2 weight vectors and a broadcast of x, within AVX2's 16 registers
