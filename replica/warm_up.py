@@ -20,8 +20,8 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
     * With step padding: run every distinct linear layer that oneDNN computes once at every
       padded step size, so that oneDNN builds all its matmul primitives now (about 1 ms each):
       every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
-      model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's bf16 kernel
-      (``carpool_gemv_weight``) build nothing and are skipped.
+      model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's own
+      kernels (``carpool_gemv_weight``, ``carpool_f32_weight``) build nothing and are skipped.
     * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
       graphs of the compiled decoder are compiled (or loaded from the compile cache) before
       the first request.
@@ -54,20 +54,24 @@ def _warm_up_matmuls(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
     output = runner.model.get_output_embeddings()
     layers: dict[tuple, torch.nn.Linear] = {}
     for module in runner.model.modules():
-        if getattr(module, "carpool_gemv_weight", None) is not None:
-            continue  # Carpool's bf16 kernel: no oneDNN primitive to build
+        if _on_carpool_kernel(module):
+            continue  # no oneDNN primitive to build
         if isinstance(module, torch.nn.Linear) and module is not output:
             key = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype)
             layers.setdefault(key, module)
     token_sizes = sorted({padded_size(n) for n in range(1, max_num_batched_tokens + 1)})
     row_sizes = sorted({padded_size(n) for n in range(1, max_num_seqs + 1)})
     runs = 0
-    heads = [] if getattr(output, "carpool_gemv_weight", None) is not None else [(output, row_sizes)]
+    heads = [] if _on_carpool_kernel(output) else [(output, row_sizes)]
     for layer, sizes in [*((layer, token_sizes) for layer in layers.values()), *heads]:
         for size in sizes:
             layer(torch.zeros(1, size, layer.in_features, dtype=layer.weight.dtype, device=runner.device))
             runs += 1
     return runs
+
+
+def _on_carpool_kernel(module: torch.nn.Module) -> bool:
+    return getattr(module, "carpool_gemv_weight", None) is not None or hasattr(module, "carpool_f32_weight")
 
 
 def _dummy_step(runner, query_lens: list[int], width: int) -> None:

@@ -1,6 +1,7 @@
-"""Carpool's float32 linear kernel (``replica/csrc/cpu_linear_f32.cpp``) against float64 and
-against itself: within the rounding bound of a float32 dot product, a row's bits the same in any
-batch, and the engine's linears routed through it."""
+"""Carpool's float32-accumulating linear kernel (``replica/csrc/cpu_linear_f32.cpp``) against
+float64 and against itself: within the rounding bound of a float32 dot product, bf16 weights
+giving exactly the float32 sums of their widened values rounded to bf16, a row's bits the same in
+any batch, and the engine's linears routed through it."""
 
 from __future__ import annotations
 
@@ -44,13 +45,34 @@ def test_f32_linear_is_within_the_dot_product_rounding_bound(rows, shape):
         assert ((got.double() - exact).abs() <= bound).all(), (rows, shape)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 40])
+@pytest.mark.parametrize("shape", [(576, 1536), (1537, 575), (3, 5)])
+def test_bf16_weights_give_the_float32_sums_of_their_values_rounded_once(rows, shape):
+    """bf16 weights and rows are widened to float32 exactly and summed as float32 ones are, and
+    each output is rounded to bf16 once (to nearest even): the result is the float32 kernel's on
+    the widened values, rounded, to the bit."""
+    in_features, out_features = shape
+    x, weight, bias = _case(rows, in_features, out_features, seed=rows)
+    x, weight, bias = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    packed = ops.pack_f32_weight(weight)
+    assert packed.dtype == torch.bfloat16
+    wide = ops.pack_f32_weight(weight.float())
+    for b in (None, bias):
+        got = ops.f32_linear(x, packed, b, out_features)
+        assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
+        expected = ops.f32_linear(x.float(), wide, None if b is None else b.float(), out_features).bfloat16()
+        assert torch.equal(got, expected), (rows, shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (575, 100)])
-def test_a_row_gets_the_same_bits_in_any_batch(shape):
+def test_a_row_gets_the_same_bits_in_any_batch(shape, dtype):
     """Batch invariance at its root: a row's output is bit-identical whether its step has 1 row or
     300 (a decode alone, batched, or a prefill chunk), so a request's tokens do not depend on its
-    batch mates. torch's float32 linear (MKL) gives 1 to 3 rows other bits than 4 or more on AVX2."""
+    batch mates. torch's float32 linear (MKL) gives 1 to 3 rows other bits than 4 or more on AVX2,
+    and oneDNN's bf16 one some rows other bits in other batches."""
     in_features, out_features = shape
-    x, weight, bias = _case(300, in_features, out_features, seed=1)
+    x, weight, bias = (t.to(dtype) for t in _case(300, in_features, out_features, seed=1))
     packed = ops.pack_f32_weight(weight)
     alone = torch.cat([ops.f32_linear(x[:, i : i + 1], packed, bias, out_features) for i in range(300)], dim=1)
     for rows in (2, 3, 4, 5, 6, 7, 11, 12, 13, 33, 300):
@@ -75,14 +97,16 @@ def test_no_input_features_give_the_bias():
 def test_bad_inputs_are_refused_with_a_reason():
     x, weight, bias = _case(3, 64, 100)
     packed = ops.pack_f32_weight(weight)
-    with pytest.raises(RuntimeError, match="must be float32"):
+    with pytest.raises(RuntimeError, match="x must be Float like the packed weight"):
         ops.f32_linear(x.double(), packed, bias, 100)
+    with pytest.raises(RuntimeError, match="x must be BFloat16 like the packed weight"):
+        ops.f32_linear(x, ops.pack_f32_weight(weight.bfloat16()), bias, 100)
     with pytest.raises(RuntimeError, match="do not match the packed weight"):
         ops.f32_linear(x[..., :63], packed, bias, 100)
     with pytest.raises(RuntimeError, match="bias must have 100 elements"):
         ops.f32_linear(x, packed, bias[:99], 100)
-    with pytest.raises(RuntimeError, match="pack_f32_weight: a 2-D float32 weight"):
-        ops.pack_f32_weight(weight.bfloat16())
+    with pytest.raises(RuntimeError, match="pack_f32_weight: a 2-D float32 or bfloat16 weight"):
+        ops.pack_f32_weight(weight.half())
 
 
 def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
@@ -105,3 +129,24 @@ def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
         got, expected = model(ids).logits, reference(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.skipif(cpu_kernels.has_bf16_gemv(), reason="with AVX512-BF16, Carpool's vdpbf16ps kernel serves bf16")
+def test_prepack_linears_routes_a_bf16_model_through_the_kernel_without_avx512_bf16(tiny_llama):
+    """Without AVX512-BF16 (oneDNN's bf16 GEMM is slow there and batch-variant), every linear of a
+    bf16 model is packed for this kernel in bf16, and the logits stay those of torch's own bf16
+    linears within bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.compilation import prepack_linears
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert prepack_linears(model) == len(linears) > 0
+    assert all(m.carpool_f32_weight.dtype == torch.bfloat16 for m in linears)
+    ids = torch.tensor([[5, 900, 31, 7000, 12, 40000, 3]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0.05, atol=0.05)

@@ -178,18 +178,23 @@ def test_batch_invariance(tiny_llama, variant):
     assert_idle(llm.engine)
 
 
-def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant, dtype):
     """After the same prefill (alone both times), a request's decode logprobs are bit-identical
-    whether each decode step holds it alone or with 5 others. On CPU in float32 the linears are
-    Carpool's kernel, which computes a row the same way whatever its batch (where it is not
-    built, a step runs at least 4 rows, ``FLOAT32_MIN_ROWS``): on AVX2, torch's float32 linear
+    whether each decode step holds it alone or with 5 others. On CPU the linears are Carpool's
+    kernels, which compute a row the same way whatever its batch: in float32 (where the kernel is
+    not built, a step runs at least 4 rows, ``FLOAT32_MIN_ROWS``) on AVX2, torch's float32 linear
     gives 1 to 3 rows other bits than 4 or more, and seeded sampling over a flat distribution
-    picked another token."""
+    picked another token; in bf16, oneDNN's GEMM gives some rows other bits in other batches."""
     if TEST_DEVICE != "cpu":
-        pytest.skip("CPU float32 linears; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
+        pytest.skip("CPU linears; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
     from replica import cpu_kernels
+    from replica.model_loader import cache_dir
 
-    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, **variant)
+    cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    if dtype == "bfloat16" and not (cpu_kernels.has_bf16_gemv() or cpu_kernels.has_f32_gemv()):
+        pytest.skip("bf16 linears on oneDNN (neither of Carpool's linear kernels is built)")
+    llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, max_num_seqs=8, **variant)
     engine = llm.engine
     if cpu_kernels.has_f32_gemv():  # the kernel, not the row floor, keeps the bits
         assert engine.runner.num_packed > 0 and engine.runner.min_rows == 1
