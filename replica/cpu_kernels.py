@@ -1,6 +1,7 @@
 """Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp`` and ``cpu_sampling.cpp``), built
 on first use with torch's C++ extension loader and cached: paged decode attention, linear layers
-on prepacked weights (``f32_linear``: Carpool's float32 kernel on CPUs with AVX2 and FMA;
+on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
+and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
 ``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
 without Python in between; Carpool's kernels serve any number of rows and are batch-invariant), and the
 sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
@@ -64,7 +65,8 @@ def available() -> bool:
 
 
 def has_f32_gemv() -> bool:
-    """Whether Carpool's float32 linear kernel is built (the CPU has AVX2 and FMA)."""
+    """Whether Carpool's float32-accumulating linear kernel (float32 and bf16 weights) is built
+    (the CPU has AVX2 and FMA)."""
     return available() and torch.ops.carpool_cpu.has_f32_gemv()
 
 
