@@ -207,10 +207,14 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
         group += panels - 1;
         continue;
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock512) {
+      // Row blocks of near-equal size (16 rows: 8 + 8, not 12 + 4, whose 4 would wait on latency).
+      const int64_t blocks = (rows + kRowBlock512 - 1) / kRowBlock512;
+      for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
+        const int64_t m = rows / blocks + (b < rows % blocks ? 1 : 0);
         const float* xr = xb + r0 * K;
         W* yr = yb + r0 * N;
-        switch (std::min(kRowBlock512, rows - r0)) {
+        r0 += m;
+        switch (m) {
 #define CARPOOL_ROWS(m) \
   case m:               \
     rows_512<m, 1>(xr, K, panel, bb, yr, N, n0); \
