@@ -125,9 +125,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     * CUDA: bfloat16 where the GPU has it natively (Ampere and later), else float16;
     * CPU: bfloat16 when this CPU's oneDNN has a bf16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
       AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), else float32. On an
-      AVX2-only CPU (AMD before Zen 4, most Intel client CPUs) bfloat16 matmuls are emulated:
-      measured 9x slower than float32 for a 128-row SmolLM2 MLP projection, one thread (29.2 vs
-      3.4 ms).
+      AVX2-only CPU (AMD before Zen 4, most Intel client CPUs) torch emulates bfloat16: its
+      matmuls measured 9x slower than float32 for a 128-row SmolLM2 MLP projection, one thread
+      (29.2 vs 3.4 ms). Carpool's linear kernel now takes bf16 weights there too, but a whole
+      bf16 step on such a CPU has not been measured against float32, so ``auto`` stays float32.
 
     Raises ``ValueError`` for an unknown name.
     """

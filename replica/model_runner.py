@@ -156,8 +156,8 @@ class ModelRunner:
             compile_decoder(self.model)
         # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
         self.min_step_tokens = 2 if compile else 1
-        # On CPU in 16-bit dtypes (oneDNN's matmuls; Carpool's float32 kernel takes any size), steps
-        # are padded to a few sizes (see padded_size).
+        # On CPU in 16-bit dtypes (oneDNN's attention and matmuls build a kernel per shape; Carpool's
+        # linear kernels take any size), steps are padded to a few sizes (see padded_size).
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
         float32_blas = self.device.type == "cpu" and self.dtype == torch.float32 and not self.num_packed
         self.min_rows = FLOAT32_MIN_ROWS if float32_blas else 1

@@ -17,7 +17,7 @@
 // bfloat16 weights go through the same kernel where the CPU has no AVX512-BF16 (where it has,
 // cpu_kernels.cpp's vdpbf16ps kernel serves them): each panel row of 16 bf16 weights is widened to
 // float32 in registers (a bf16 is the upper half of a float32), x is widened once per call, and
-// each output is rounded to bfloat16 once at the end (round to nearest even, as torch rounds).
+// each output is rounded to bfloat16 once at the end (to nearest even, as torch rounds).
 // Half the weight bytes of float32; oneDNN's bf16 GEMM on such CPUs (AVX512 without BF16) is
 // slower and gives a row other bits in other batches. Figures: cpu-speed.md, "bfloat16 weights
 // without AVX512-BF16".
@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -48,8 +49,19 @@ namespace {
 
 constexpr int64_t kGroup = 16;    // outputs per weight panel (two 8-float vectors)
 constexpr int64_t kRowBlock = 6;  // rows per micro-kernel call
-// Panel rows (64 bytes each) prefetched ahead of use; past a panel's end this is the next one's.
-constexpr int64_t kPrefetchAhead = 64;
+// Prefetch distance in 64-byte lines (a float32 panel row is one line, a bf16 row half of one);
+// past a panel's end this is the next one's.
+constexpr int64_t kPrefetchAhead = 32;
+
+// float32 -> bfloat16, rounded to nearest even; NaN -> 0x7FC0 (c10's scalar rule). Integer
+// operations only: the kernels are built with -ffast-math, under which at::BFloat16's isnan check
+// may be dropped.
+inline at::BFloat16 round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return at::BFloat16(0x7FC0, at::BFloat16::from_bits());
+  return at::BFloat16(static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16), at::BFloat16::from_bits());
+}
 
 bool has_f32_gemv() {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -90,7 +102,7 @@ inline void store16(at::BFloat16* y, __m256 lo, __m256 hi, __m256i, __m256i, int
   alignas(32) float out[16];
   _mm256_store_ps(out, lo);
   _mm256_store_ps(out + 8, hi);
-  for (int64_t n = 0; n < valid; ++n) y[n] = at::BFloat16(out[n]);  // round to nearest even
+  for (int64_t n = 0; n < valid; ++n) y[n] = round_bf16(out[n]);
 }
 
 // Rows x[0..M) (each K floats, row stride K) times one panel w [K, 16] -> y[m][n0 .. n0 + 16)
@@ -150,7 +162,7 @@ inline void store16_512(float* y, __m512 v, int64_t valid) {
 inline void store16_512(at::BFloat16* y, __m512 v, int64_t valid) {
   alignas(64) float out[16];
   _mm512_store_ps(out, v);
-  for (int64_t n = 0; n < valid; ++n) y[n] = at::BFloat16(out[n]);  // round to nearest even
+  for (int64_t n = 0; n < valid; ++n) y[n] = round_bf16(out[n]);
 }
 
 // P panels side by side (P consecutive groups of 16 outputs, each K x 16): with few rows, one
@@ -256,7 +268,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   TORCH_CHECK(packed.size(1) == K && packed.size(0) == (N + kGroup - 1) / kGroup, "f32_linear: x [..., ", K,
               "] and out_features ", N, " do not match the packed weight ", packed.sizes());
   const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || bias->numel() == N, "f32_linear: bias must have ", N, " elements");
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->numel() == N), "f32_linear: bias must have ", N,
+              " elements in one dimension");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   if (K == 0) {  // an empty sum: the bias alone

@@ -17,11 +17,12 @@ from replica.model_loader import cache_dir
 
 BUILT = cpu_kernels.load(str(cache_dir() / "torch_extensions"))
 needs_kernels = pytest.mark.skipif(not BUILT, reason="Carpool's CPU kernels could not be built (no C++ compiler)")
-# Where neither Carpool's bf16 kernel nor oneDNN computes bf16 (an AVX2-only CPU), prepack_linears
-# leaves bf16 linears to F.linear, so the packed linear has nothing to serve.
+# Where neither Carpool's bf16 kernel nor oneDNN computes bf16 (an AVX2-only CPU), the packed
+# linear has nothing to serve (prepack_linears sends bf16 layers to Carpool's float32-accumulating
+# kernel where it is built, else leaves them to F.linear).
 PACKS_BF16 = BUILT and (cpu_kernels.has_bf16_gemv() or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 needs_bf16_packing = pytest.mark.skipif(
-    not PACKS_BF16, reason="this CPU computes no bf16 (needs AVX512 or AVX-NE-CONVERT): bf16 linears stay F.linear"
+    not PACKS_BF16, reason="this CPU's oneDNN computes no bf16 (needs AVX512 or AVX-NE-CONVERT)"
 )
 
 
@@ -238,14 +239,16 @@ def test_the_kernels_give_the_same_bits_on_one_and_two_threads(dtype):
     logits = torch.randn(64, 49152, generator=g) * 3
     uniforms = torch.rand(64, dtype=torch.float64, generator=g)
     f32 = torch.ops.carpool_cpu.pack_f32_weight(weight.float()) if cpu_kernels.has_f32_gemv() else None
+    bf16_panels = torch.ops.carpool_cpu.pack_f32_weight(weight) if cpu_kernels.has_f32_gemv() else None
 
     def run() -> list[torch.Tensor]:
         kc, vc = key_cache.clone(), value_cache.clone()
         attention = torch.ops.carpool_cpu.decode_attention(query, key, value, kc, vc, slots, tables, lens, block_size, 0.125)
         sampled = torch.ops.carpool_cpu.sample_rows(logits, uniforms)
         out = [attention, kc, vc, sampled]
-        if f32 is not None:  # Carpool's float32 linear (AVX2 + FMA)
+        if f32 is not None:  # Carpool's float32-accumulating linear (AVX2 + FMA), both dtypes
             out.append(torch.ops.carpool_cpu.f32_linear(x.float(), f32, None, 576))
+            out.append(torch.ops.carpool_cpu.f32_linear(x, bf16_panels, None, 576))
         if PACKS_BF16:  # a packed bf16 linear exists on this CPU (see needs_bf16_packing)
             out.append(torch.ops.carpool_cpu.packed_linear(x, onednn, gemv, None, 576))
         return out

@@ -64,6 +64,42 @@ def test_bf16_weights_give_the_float32_sums_of_their_values_rounded_once(rows, s
         assert torch.equal(got, expected), (rows, shape)
 
 
+def _sequential_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The sum the kernel documents, one output at a time: acc = fma(x[k], w[k], acc) for k in
+    ascending order in float32, then + bias, then rounded to x's dtype. A float32 product is exact
+    in float64 and the float64 sum is rounded once to float32 (a double rounding could differ from
+    a true FMA in about one case in 2**29; none occurs in these cases)."""
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    xd, wd = x.double(), weight.double()
+    for k in range(x.shape[1]):
+        acc = (xd[:, k, None] * wd[None, :, k] + acc.double()).float()
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 16, 25])
+def test_each_output_is_one_fma_per_k_in_ascending_order(rows, dtype):
+    """Pins the order of the sum on whichever build runs (AVX2: 6 rows x 2 vectors of 8; AVX512:
+    up to 12 rows, 2 or 4 panels at once for 1 to 4 rows): every path gives the documented sum to
+    the bit, so the builds agree with each other. 49 outputs end in a partial group of 16."""
+    x, weight, bias = (t.to(dtype) for t in _case(rows, 37, 49, seed=rows))
+    x = x[0]
+    packed = ops.pack_f32_weight(weight)
+    for b in (None, bias):
+        assert torch.equal(ops.f32_linear(x, packed, b, 49), _sequential_fma(x, weight, b)), (rows, b is None)
+
+
+def test_bf16_nan_stays_nan():
+    """inf + -inf is NaN, and stays NaN when rounded to bf16 (the quiet NaN 0x7FC0 of c10's scalar
+    conversion, whatever sign the CPU gave it): the rounding's carry never turns it into inf."""
+    x = torch.tensor([[float("inf"), float("-inf")]], dtype=torch.bfloat16)
+    weight = torch.ones(3, 2, dtype=torch.bfloat16)
+    got = ops.f32_linear(x, ops.pack_f32_weight(weight), None, 3)
+    assert torch.isnan(got).all() and (got.view(torch.int16) == 0x7FC0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (575, 100)])
 def test_a_row_gets_the_same_bits_in_any_batch(shape, dtype):
@@ -103,8 +139,10 @@ def test_bad_inputs_are_refused_with_a_reason():
         ops.f32_linear(x, ops.pack_f32_weight(weight.bfloat16()), bias, 100)
     with pytest.raises(RuntimeError, match="do not match the packed weight"):
         ops.f32_linear(x[..., :63], packed, bias, 100)
-    with pytest.raises(RuntimeError, match="bias must have 100 elements"):
+    with pytest.raises(RuntimeError, match="bias must have 100 elements in one dimension"):
         ops.f32_linear(x, packed, bias[:99], 100)
+    with pytest.raises(RuntimeError, match="bias must have 100 elements in one dimension"):
+        ops.f32_linear(x, packed, bias.view(100, 1), 100)
     with pytest.raises(RuntimeError, match="pack_f32_weight: a 2-D float32 or bfloat16 weight"):
         ops.pack_f32_weight(weight.half())
 
