@@ -222,11 +222,11 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
       // Row blocks of near-equal size (16 rows: 8 + 8, not 12 + 4, whose 4 would wait on latency).
       const int64_t blocks = (rows + kRowBlock512 - 1) / kRowBlock512;
       for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
-        const int64_t m = rows / blocks + (b < rows % blocks ? 1 : 0);
+        const int64_t block_rows = rows / blocks + (b < rows % blocks ? 1 : 0);
         const float* xr = xb + r0 * K;
         W* yr = yb + r0 * N;
-        r0 += m;
-        switch (m) {
+        r0 += block_rows;
+        switch (block_rows) {
 #define CARPOOL_ROWS(m) \
   case m:               \
     rows_512<m, 1>(xr, K, panel, bb, yr, N, n0); \
