@@ -28,7 +28,7 @@ test: $(STAMP) prometheus
 
 # The long run: 5,000 mixed requests against a served app (several minutes; prints its figures).
 soak: $(STAMP)
-	$(PY) -m pytest -m soak -s tests/e2e/test_soak.py $(PYTEST_ARGS)
+	$(PY) -m pytest -n0 -m soak -s tests/e2e/test_soak.py $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/carpool serve $(ARGS)

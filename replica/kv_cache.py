@@ -8,7 +8,35 @@ attention backends (``replica.attention_backends``) read it through block tables
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class ModelShape:
+    """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``;
+    ``num_heads`` query heads attend to them."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None
+
+
+def model_shape(hf_config) -> ModelShape:
+    """Read the KV-relevant shape from a transformers config (its text config for multimodal ones)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    return ModelShape(
+        num_layers=text.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+    )
 
 
 def kv_bytes_per_block(

@@ -29,7 +29,7 @@ from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chun
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.input_batch import InputBatch, to_device
-from replica.kv_cache import PagedKVCache, kv_bytes_per_block
+from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.logprobs import token_logprobs
 from replica.model_loader import cache_dir, load_model, resolve_dtype
 from replica.request import TokenLogprobs
@@ -46,32 +46,6 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 # is not built, CPU float32 steps run 4 tokens and rows at least. (With 2 threads other small
 # counts differ too: a replica runs one thread per core.)
 FLOAT32_MIN_ROWS = 4
-
-
-@dataclass
-class ModelShape:
-    """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``;
-    ``num_heads`` query heads attend to them."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int | None
-
-
-def model_shape(hf_config) -> ModelShape:
-    """Read the KV-relevant shape from a transformers config (its text config for multimodal ones)."""
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    num_heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    return ModelShape(
-        num_layers=text.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        max_position_embeddings=getattr(text, "max_position_embeddings", None),
-    )
 
 
 @dataclass

@@ -155,7 +155,10 @@ def ray_cluster():
     from cluster.app import apply_serve_env, direct_ingress_env
 
     apply_serve_env()  # the Serve settings `carpool serve` uses
-    port = free_port_outside_ephemeral_range()
+    # Under pytest-xdist each worker has its own cluster: its own 100 ports, so that two workers
+    # never pick the same free port at once.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    port = free_port_outside_ephemeral_range(30000 + 100 * worker, 30100 + 100 * worker)
     # As under `carpool serve`: each app's one ingress replica serves `port` itself (Serve's direct
     # ingress). The cluster's processes take the settings at its start; this process and the
     # subprocesses that tests start keep their own environment.
