@@ -1,7 +1,8 @@
-"""End-to-end fixtures: one local Ray cluster per test session, one Serve app per module.
+"""End-to-end fixtures: one local Ray cluster per test process (each pytest-xdist worker has its
+own), one Serve app per module.
 
 * ``ray_cluster``: ``ray.init`` with 2 CPUs and no dashboard; each app's ingress serves HTTP on
-  a free port of 127.0.0.1 (from 30000 up) itself, as under ``carpool serve`` (Serve's direct ingress; Serve's
+  a free port of 127.0.0.1 (from 30000 up; 100 ports per xdist worker) itself, as under ``carpool serve`` (Serve's direct ingress; Serve's
   proxy listens on another port, unused). Package scope: one cluster for the whole e2e suite in a session, shut down when
   the suite ends, so that it does not idle through the other test directories.
 * ``deploy(config, replicas)``: deploys ``cluster.app.build_app(config)`` as an app
@@ -27,7 +28,9 @@ from contextlib import contextmanager
 
 import pytest
 
-E2E_TIMEOUT_S = 240
+# A hang guard, not a speed check: the suite runs on two pytest-xdist workers, so an e2e test
+# shares the 2 cores with another test file all along.
+E2E_TIMEOUT_S = 420
 
 
 def pytest_configure(config):

@@ -53,7 +53,7 @@ def offline_greedy(offline, ids: list[int], max_tokens: int):
 
 # ---- basic endpoints -----------------------------------------------------------------------------
 # The first test sets up the served fixture, whose replica compiles SmolLM2: from a cold compile
-# cache that took 195 s and over 240 s (the e2e limit) on the 2-core AVX2 machine; a decorator
+# cache that took 195 s and over 240 s on the 2-core AVX2 machine; a decorator
 # on the function wins over the conftest's limit.
 @pytest.mark.timeout(600)
 def test_models_and_health(served):

@@ -32,11 +32,11 @@ ENGINE = EngineConfig(
 CONFIG = ServeConfig(app_name="e2e-failure", engine=ENGINE)
 # A killed replica: back to full capacity within this. The replacement starts (a new process,
 # imports, weights, warm-up) on the same 2 cores while the live replica serves; on CI's AVX2
-# machine that took 63 s once, in float32.
-RECOVERY_S = 120.0
+# machine that took 63 s once, in float32, with no other test running beside it.
+RECOVERY_S = 180.0
 # Wedged loops: stall_timeout_s, then Serve's 3 failed health checks 5 s apart, then the
-# replacement of both replicas at once on 2 shared cores.
-WEDGE_RECOVERY_S = 150.0
+# replacement of both replicas at once on 2 shared cores (shared with another test file too).
+WEDGE_RECOVERY_S = 200.0
 
 
 @pytest.fixture(scope="module")

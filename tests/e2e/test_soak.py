@@ -151,7 +151,7 @@ def served_rss(served) -> dict[int, int]:
     return replica_rss(served) | {ingress.pid: ingress.memory_info().rss}
 
 
-@pytest.mark.timeout(3600)  # on the function: it must win over the e2e conftest's 240 s
+@pytest.mark.timeout(3600)  # on the function: it must win over the e2e conftest's 420 s
 @pytest.mark.parametrize("shared_prefix", [False, True], ids=["mixed", "shared-prefix"])
 def test_soak(served, shared_prefix):
     rng = random.Random(7)
