@@ -23,6 +23,7 @@ import typer
 from pydantic import ValidationError
 
 from cluster.config import ServeConfig, parse_bytes
+from replica.config import DTYPE_HELP
 
 app = typer.Typer(
     name="carpool",
@@ -103,7 +104,7 @@ def build_config(file: Path | None, overrides: dict[str, Any], engine_overrides:
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML or JSON file with ServeConfig fields (engine settings under 'engine:')."),
     model: Optional[str] = typer.Option(None, help="Hub id or local folder of a decoder-only model (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
-    dtype: Optional[str] = typer.Option(None, help="auto (bfloat16 where the device computes it natively, else float32), bfloat16, float16 or float32."),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cpu)."),
     replicas: Optional[str] = typer.Option(None, help="Replica count, or 'auto': one per GPU (CUDA) or per CPU core (default: auto)."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", "--seats", help="Seats per replica: requests in one batch (default: 32)."),

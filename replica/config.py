@@ -12,9 +12,15 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# What the CLIs say of --dtype.
+DTYPE_HELP = (
+    "auto (bfloat16 on GPUs that have it, else float16; on CPUs bfloat16 with AVX512, or AVX2 and FMA, "
+    "else float32), bfloat16, float16 or float32."
+)
+
 # dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by
-# replica.model_loader.resolve_dtype: bfloat16 where the device has it, else float16 on a GPU and
-# float32 on a CPU).
+# replica.model_loader.resolve_dtype: bfloat16 where the device computes it well, else float16 on a
+# GPU and float32 on a CPU).
 DTYPE_NAMES = {
     "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
@@ -43,8 +49,9 @@ class EngineConfig(BaseModel):
         "auto",
         description=(
             "Weights and KV dtype: auto, bfloat16, float16 or float32. auto: bfloat16 on GPUs that have "
-            "it (else float16) and on CPUs with oneDNN's bf16 path (AVX512 or AVX-NE-CONVERT), float32 "
-            "on AVX2-only CPUs, where torch emulates bfloat16 (its matmuls measured 9x slower than float32)."
+            "it (else float16), on CPUs with oneDNN's bf16 path (AVX512 or AVX-NE-CONVERT) and on CPUs "
+            "with AVX2 and FMA where Carpool's CPU kernels build (its linear kernel reads bf16 weights); "
+            "else float32."
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")

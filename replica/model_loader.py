@@ -119,16 +119,16 @@ def _convert_packaged_model(model: str) -> str:
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     """The torch dtype of a dtype setting on ``device``; ``"auto"`` picks the fast 16-bit type
-    where the device computes it natively, as vLLM's CPU backend recommends (its docs ask for
-    AVX512 for bfloat16):
+    where the device computes it well:
 
     * CUDA: bfloat16 where the GPU has it natively (Ampere and later), else float16;
     * CPU: bfloat16 when this CPU's oneDNN has a bf16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
-      AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), else float32. On an
-      AVX2-only CPU (AMD before Zen 4, most Intel client CPUs) torch emulates bfloat16: its
-      matmuls measured 9x slower than float32 for a 128-row SmolLM2 MLP projection, one thread
-      (29.2 vs 3.4 ms). Carpool's linear kernel now takes bf16 weights there too, but a whole
-      bf16 step on such a CPU has not been measured against float32, so ``auto`` stays float32.
+      AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), as vLLM's CPU backend
+      recommends, or when Carpool's float32-accumulating linear kernel is built (AVX2 and FMA:
+      :func:`replica.cpu_kernels.has_f32_gemv`, built or loaded here if no one did yet), which
+      reads bf16 weights and skips torch's emulated bf16 matmuls (9x slower than float32 on a
+      Zen 3 core). Measured with the kernels' AVX2 build on an AVX512 Xeon, SmolLM2, one thread:
+      1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32.
 
     Raises ``ValueError`` for an unknown name.
     """
@@ -142,6 +142,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
             native = torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if native else torch.float16
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    from replica import cpu_kernels
+
+    if (cpu_kernels.available() or cpu_kernels.load(str(cache_dir() / "torch_extensions"))) and cpu_kernels.has_f32_gemv():
         return torch.bfloat16
     return torch.float32
 

@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import typer
 
+from replica.config import DTYPE_HELP
+
 bench_app = typer.Typer(
     name="bench",
     help="Benchmarks: continuous vs static batching in-process (offline); prefix caching on vs off (prefix); load on a live server (serve).",
@@ -33,7 +35,7 @@ def offline(
         help="seed-example (the article's A-E on 4 seats), seed-mix (half 20, half 200 tokens), sweep (exponential lengths capped at --caps), or a JSONL file of {prompt, max_tokens}.",
     ),
     model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 where the device computes it natively, else float32), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats: requests in one batch (static batch size)."),
     max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step."),
@@ -91,7 +93,7 @@ def prefix(
         help="shared-prefix (one long system prompt, distinct short questions) and/or multi-turn (each turn resends the conversation so far); repeat the option for both (default: both).",
     ),
     model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 where the device computes it natively, else float32), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(32, "--max-num-seqs", "--seats", min=1, help="Seats of each engine (default: the serving default, 32)."),
     max_num_batched_tokens: int = typer.Option(512, min=1, help="Token budget of one engine step (default: the serving default, 512)."),
@@ -175,7 +177,7 @@ def serve(
 @bench_app.command("overhead")
 def overhead(
     model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 where the device computes it natively, else float32), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     max_num_seqs: int = typer.Option(32, "--max-num-seqs", "--seats", min=1, help="Seats of the in-process engine and of each replica."),
     replicas: str = typer.Option("auto", help="Replicas of the served app, or auto (one per CPU core / GPU)."),
     num_requests: int = typer.Option(100, min=1, help="Requests of the seed mix."),
@@ -201,7 +203,7 @@ def overhead(
 @bench_app.command("profile")
 def profile(
     model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 where the device computes it natively, else float32), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats."),
     num_requests: int = typer.Option(100, min=1, help="Requests of the seed mix."),

@@ -72,9 +72,9 @@ FOLLOW_UPS = [
 def engine_config():
     from replica.config import EngineConfig
 
-    # auto: the served default, bfloat16 where the CPU computes it natively (it prefilled faster:
-    # 75 s for the earlier, larger workload, 115 s in float32 on an AVX512 machine), else float32
-    # (emulated bf16 is slower; 134 s for this workload on a Zen 3, with the 2-node cluster's start).
+    # auto: the served default, bfloat16 on CPUs with AVX512, or AVX2 and FMA (it prefilled faster:
+    # 75 s for the earlier, larger workload, 115 s in float32 on an AVX512 machine); float32 took
+    # 134 s for this workload on a Zen 3, with the 2-node cluster's start.
     # Each run's best possible rate is counted from the replies that run actually got. 8 seats
     # per replica: the 8 conversations a replica holds never wait. 512 blocks of 16 tokens hold
     # every prompt a replica sees in the run, even with load-only routing, without eviction.

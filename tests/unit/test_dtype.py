@@ -41,9 +41,27 @@ def test_unknown_dtype_is_refused_by_name():
 @pytest.mark.skipif(
     not (platform.system() == "Linux" and platform.machine() == "x86_64"), reason="reads x86 flags from /proc/cpuinfo"
 )
-def test_auto_on_cpu_is_bfloat16_only_where_the_cpu_computes_it():
-    """bfloat16 needs AVX512 (BW, VL and DQ) or AVX-NE-CONVERT for oneDNN to compute it; on an
-    AVX2-only CPU torch emulates it (about 9x slower than float32 here), so auto is float32."""
+def test_auto_on_cpu_is_bfloat16_where_onednn_or_carpools_kernel_computes_it():
+    """bfloat16 where oneDNN computes it (AVX512 BW, VL and DQ, or AVX-NE-CONVERT), or where
+    Carpool's float32-accumulating linear kernel builds (AVX2 and FMA), which takes bf16 weights
+    in place of torch's emulated bf16 matmuls; float32 elsewhere."""
+    from replica import cpu_kernels
+    from replica.model_loader import cache_dir
+
     flags = cpu_flags()
     native = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32), sorted(flags)
+    kernel = {"avx2", "fma"} <= flags and cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native or kernel else torch.float32), sorted(flags)
+
+
+def test_auto_on_cpu_without_onednn_bf16_takes_bfloat16_only_with_carpools_kernel(monkeypatch):
+    """The order of the CPU choice, on a torch without oneDNN (what an AVX2-only CPU looks like to
+    the first test): Carpool's kernel built with AVX2 and FMA gives bfloat16; no kernel, float32."""
+    from replica import cpu_kernels
+    from replica.model_loader import cache_dir
+
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    built = cpu_kernels.load(str(cache_dir() / "torch_extensions")) and cpu_kernels.has_f32_gemv()
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if built else torch.float32)
+    monkeypatch.setitem(cpu_kernels._state, "ok", False)  # as where no compiler could build it
+    assert resolve_dtype("auto", "cpu") == torch.float32
