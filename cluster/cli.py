@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from cluster.config import ServeConfig, parse_bytes
 from replica.config import DTYPE_HELP
+from replica.logs import log_to_stderr
 
 app = typer.Typer(
     name="carpool",
@@ -38,6 +39,7 @@ app = typer.Typer(
 @app.callback()
 def _group() -> None:
     """Carpool: an LLM serving cluster on Ray Serve (continuous batching, paged KV cache)."""
+    log_to_stderr()
 
 
 try:  # ``carpool bench ...`` (cluster/bench; its heavy imports happen only when a command runs)

@@ -94,7 +94,6 @@ class CpuBackend(AttentionBackend):
     Args:
         compiled: where Carpool's C++ kernel (:mod:`replica.cpu_kernels`) cannot be built, compile
             :func:`decode_attention` with inductor (else decodes go through SDPA on gathered contexts).
-        kernel_cache: where the C++ kernel is built and cached.
         pad_shapes: bucket the prefill batch's query and key lengths (see :func:`padded_size`); the
             model runner sets it with step padding.
     """
@@ -103,13 +102,12 @@ class CpuBackend(AttentionBackend):
     inline_decode = True  # decode-like steps may trace decode_attention into the compiled layers
 
     def __init__(
-        self, block_size: int, device: torch.device, *, compiled: bool, pad_shapes: bool = False,
-        kernel_cache: str | None = None,
+        self, block_size: int, device: torch.device, *, compiled: bool, pad_shapes: bool = False
     ) -> None:
         super().__init__(block_size, device)
         self.compiled = compiled
         self.pad_shapes = pad_shapes
-        self.kernel = cpu_kernels.load(kernel_cache)
+        self.kernel = cpu_kernels.load()
         # Measured with Carpool's decode kernel only (without it, decodes take a slower formulation).
         self.inline_chunk_pairs = INLINE_CHUNK_PAIRS if self.kernel else 0
         use_inductor = compiled and not self.kernel

@@ -6,16 +6,24 @@ with the serving settings.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+
+def cache_dir() -> Path:
+    """Carpool's cache folder (``$CARPOOL_CACHE_DIR`` or ``~/.cache/carpool``): converted models,
+    built CPU kernels, inductor's compiled graphs."""
+    return Path(os.environ.get("CARPOOL_CACHE_DIR", Path.home() / ".cache" / "carpool"))
+
 # What the CLIs say of --dtype.
 DTYPE_HELP = (
-    "auto (bfloat16 on GPUs that have it, else float16; on CPUs bfloat16 with AVX512, or AVX2 and FMA, "
-    "else float32), bfloat16, float16 or float32."
+    "auto (bfloat16 on GPUs that have it, else float16; on CPUs bfloat16 with AVX512, or AVX2 and FMA "
+    "where Carpool's kernels build, else float32), bfloat16, float16 or float32."
 )
 
 # dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from replica.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
@@ -99,13 +101,13 @@ def build_lock(build_directory: str | os.PathLike) -> Iterator[None]:
 def load(cache_root: str | None = None) -> bool:
     """Build (or load from the extension cache) and register the CPU kernel; True if available.
 
-    ``cache_root``: where torch keeps built extensions, unless ``TORCH_EXTENSIONS_DIR`` is set;
-    the build goes to ``<it>/carpool_cpu_kernels/<cpu_tag()>``.
+    ``cache_root``: where torch keeps built extensions (default ``<cache_dir()>/torch_extensions``),
+    unless ``TORCH_EXTENSIONS_DIR`` is set; the build goes to
+    ``<it>/carpool_cpu_kernels/<cpu_tag()>``. Only the first call builds; later ones return its answer.
     """
     if "ok" in _state:
         return _state["ok"]
-    if cache_root:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache_root)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache_root or str(cache_dir() / "torch_extensions"))
     try:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension

@@ -27,6 +27,7 @@ from typing import Any
 from replica.config import EngineConfig
 from replica.delta_channel import DeltaChannels
 from replica.errors import ReplicaOverloadedError
+from replica.logs import log_through_serve
 from replica.request import SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class LLMReplica:
         model_name: str | None = None,
         max_waiting_requests: int | None = None,
     ) -> None:
+        log_through_serve()
         config = EngineConfig(**engine_config)
         if config.device == "cpu":
             import torch

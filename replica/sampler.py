@@ -56,7 +56,6 @@ from replica.logits_processors import (
     needs_penalties,
 )
 from replica.logprobs import token_logprobs
-from replica.model_loader import cache_dir
 from replica.request import Request, TokenLogprobs
 from replica.structured_output import apply_grammar_masks
 
@@ -87,7 +86,7 @@ def cpu_inversion() -> bool:
     """Whether random rows on CPU are drawn by Carpool's inversion kernel: yes wherever the CPU
     kernels build (built or loaded here if no one did yet), whatever the attention backend, so
     that a seed's tokens do not depend on which engine loaded them first."""
-    return cpu_kernels.available() or cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    return cpu_kernels.load()  # it returns its first answer
 
 
 def _row_uniforms(requests: Sequence[Request]) -> torch.Tensor:

@@ -104,8 +104,10 @@ class OpenAIIngress:
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any]) -> None:
         from replica.deployment import _replica_id
         from replica.metrics import IngressMetrics
+        from replica.logs import log_through_serve
         from replica.model_loader import load_tokenizer, resolve_model_path
 
+        log_through_serve()
         self.config = IngressConfig(**config)
         engine_config = EngineConfig(**engine)
         self.root_model = engine_config.model

@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from replica.config import DTYPE_HELP
+from replica.logs import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",
@@ -26,6 +27,7 @@ bench_app = typer.Typer(
 @bench_app.callback()
 def _group() -> None:
     """Benchmarks: continuous vs static batching in-process (offline); prefix caching on vs off (prefix); load on a live server (serve)."""
+    log_to_stderr()
 
 
 @bench_app.command("offline")

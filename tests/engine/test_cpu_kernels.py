@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from replica import cpu_kernels
-from replica.model_loader import cache_dir
 
-BUILT = cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+BUILT = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(not BUILT, reason="Carpool's CPU kernels could not be built (no C++ compiler)")
 # Where neither Carpool's bf16 kernel nor oneDNN computes bf16 (an AVX2-only CPU), the packed
 # linear has nothing to serve (prepack_linears sends bf16 layers to Carpool's float32-accumulating

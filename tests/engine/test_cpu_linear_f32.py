@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from replica import cpu_kernels
-from replica.model_loader import cache_dir
 
-BUILT = cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+BUILT = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
     not (BUILT and cpu_kernels.has_f32_gemv()), reason="Carpool's float32 kernel needs the CPU kernels and AVX2 + FMA"
 )

@@ -189,9 +189,8 @@ def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant
     if TEST_DEVICE != "cpu":
         pytest.skip("CPU linears; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
     from replica import cpu_kernels
-    from replica.model_loader import cache_dir
 
-    cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    cpu_kernels.load()
     if dtype == "bfloat16" and not (cpu_kernels.has_bf16_gemv() or cpu_kernels.has_f32_gemv()):
         pytest.skip("bf16 linears on oneDNN (neither of Carpool's linear kernels is built)")
     llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, max_num_seqs=8, **variant)

@@ -46,11 +46,10 @@ def test_auto_on_cpu_is_bfloat16_where_onednn_or_carpools_kernel_computes_it():
     Carpool's float32-accumulating linear kernel builds (AVX2 and FMA), which takes bf16 weights
     in place of torch's emulated bf16 matmuls; float32 elsewhere."""
     from replica import cpu_kernels
-    from replica.model_loader import cache_dir
 
     flags = cpu_flags()
     native = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
-    kernel = {"avx2", "fma"} <= flags and cpu_kernels.load(str(cache_dir() / "torch_extensions"))
+    kernel = {"avx2", "fma"} <= flags and cpu_kernels.load()
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native or kernel else torch.float32), sorted(flags)
 
 
@@ -58,10 +57,19 @@ def test_auto_on_cpu_without_onednn_bf16_takes_bfloat16_only_with_carpools_kerne
     """The order of the CPU choice, on a torch without oneDNN (what an AVX2-only CPU looks like to
     the first test): Carpool's kernel built with AVX2 and FMA gives bfloat16; no kernel, float32."""
     from replica import cpu_kernels
-    from replica.model_loader import cache_dir
 
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    built = cpu_kernels.load(str(cache_dir() / "torch_extensions")) and cpu_kernels.has_f32_gemv()
+    built = cpu_kernels.load() and cpu_kernels.has_f32_gemv()
     assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if built else torch.float32)
     monkeypatch.setitem(cpu_kernels._state, "ok", False)  # as where no compiler could build it
     assert resolve_dtype("auto", "cpu") == torch.float32
+
+
+def test_auto_on_a_device_neither_cuda_nor_cpu_is_float32_without_building_cpu_kernels(monkeypatch):
+    from replica import cpu_kernels
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("resolve_dtype built CPU kernels for a non-CPU device")
+
+    monkeypatch.setattr(cpu_kernels, "load", no_build)
+    assert resolve_dtype("auto", "meta") == torch.float32
