@@ -215,10 +215,10 @@ def serve_forever(cfg: ServeConfig) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     typer.echo(f"Carpool is serving {cfg.model_name} at {url}  (Ctrl-C stops it)")
     sys.stdout.flush()
-    while not stop.wait(0.5):
-        pass
-    typer.echo(f"carpool: stopping: refusing new requests, up to {cfg.shutdown_timeout_s:g} s for those in flight ...", err=True)
-    try:
+    try:  # a second signal may come at any point from here (a supervisor that signals the group)
+        while not stop.wait(0.5):
+            pass
+        typer.echo(f"carpool: stopping: refusing new requests, up to {cfg.shutdown_timeout_s:g} s for those in flight ...", err=True)
         _drain(cfg)
     except KeyboardInterrupt:
         typer.echo("carpool: interrupted; stopping now", err=True)
@@ -262,6 +262,9 @@ def _shutdown(cfg: ServeConfig) -> None:
 def main() -> None:
     """Console-script entry point (``carpool``)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray folds worker lines that differ only in words with digits (each replica's "ready" line
+    # and its id) into one, printed late as "[repeated Nx across cluster]": show each replica's.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     app()
 
 

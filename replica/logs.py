@@ -2,40 +2,70 @@
 (its last-resort handler prints WARNING and above), so the replica's ``ready: model=... dtype=...``
 line and the app's ``deploying N replica(s)`` never showed. These two functions set Carpool's
 loggers (``cluster``, ``replica``, ``router``) to INFO in its own processes; other libraries'
-loggers keep their levels.
+loggers keep their levels. Library use (``replica.LLM`` in a script) calls neither, so there the
+application's own logging setup decides.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 CARPOOL_LOGGERS = ("cluster", "replica", "router")
 SERVE_LOGGER = "ray.serve"  # ray.serve._private.constants.SERVE_LOGGER_NAME
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (as Python's last-resort handler does),
+    not the stream of the moment it was made, which a test runner may have closed since."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+class _ToServe(logging.Handler):
+    """Hands each record to Serve's ``ray.serve`` logger as it is at that moment: its level and
+    handlers follow the deployment's ``logging_config``, also after Serve reconfigures a running
+    replica."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        serve_logger = logging.getLogger(SERVE_LOGGER)
+        if record.levelno >= serve_logger.getEffectiveLevel():
+            serve_logger.handle(record)
+
+
 def log_to_stderr(level: int = logging.INFO) -> None:
     """In a ``carpool`` CLI process: Carpool's records at ``level`` and above go to stderr as
-    ``carpool <logger>: <message>``. Calling it again changes nothing."""
-    formatter = logging.Formatter("carpool %(name)s: %(message)s")
+    ``INFO carpool <logger>: <message>``. Calling it again changes nothing."""
+    formatter = logging.Formatter("%(levelname)s carpool %(name)s: %(message)s")
     for name in CARPOOL_LOGGERS:
         target = logging.getLogger(name)
         target.setLevel(level)
-        if not any(getattr(handler, "carpool", False) for handler in target.handlers):
-            handler = logging.StreamHandler()
+        if not any(isinstance(handler, _Stderr) for handler in target.handlers):
+            handler = _Stderr()
             handler.setFormatter(formatter)
-            handler.carpool = True  # type: ignore[attr-defined]
             target.addHandler(handler)
         target.propagate = False
 
 
 def log_through_serve() -> None:
-    """In a Serve replica (engine or ingress): Carpool's loggers take the level and handlers that
-    Serve gave its ``ray.serve`` logger from the deployment's ``logging_config`` (INFO by default):
-    the replica's file under ``<ray session>/logs/serve/`` and, with ``RAY_SERVE_LOG_TO_STDERR``
-    (Serve's default with its proxy), the stderr that Ray forwards to the driver's console."""
-    serve_logger = logging.getLogger(SERVE_LOGGER)
+    """In a Serve replica (engine or ingress): Carpool's records go through Serve's ``ray.serve``
+    logger, at its level (INFO by default): to the replica's file under
+    ``<ray session>/logs/serve/`` and, with ``RAY_SERVE_LOG_TO_STDERR`` (Serve's default), to the
+    stderr that Ray forwards to the driver's console. Does nothing where Serve has not set that
+    logger up (no handlers: the class built outside Serve, as some tests do)."""
+    if not logging.getLogger(SERVE_LOGGER).handlers:
+        return
     for name in CARPOOL_LOGGERS:
         target = logging.getLogger(name)
-        target.setLevel(serve_logger.level or logging.INFO)
-        target.handlers = list(serve_logger.handlers)
+        target.setLevel(logging.DEBUG)  # _ToServe applies Serve's level when a record comes
+        target.handlers = [_ToServe()]
         target.propagate = False

@@ -126,7 +126,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
       1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32;
     * other devices (``meta``, ``mps``, ...): float32.
 
-    Raises ``ValueError`` for an unknown name.
+    Raises ``ValueError`` for an unknown name, and for ``"auto"`` on a CUDA device where torch has none.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -134,10 +134,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
     if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch has no CUDA device to use (torch {torch.__version__})")
         with torch.cuda.device(torch.device(device)):  # that device, not the current one
             native = torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if native else torch.float16
-    if torch.device(device).type != "cpu":  # mps, meta, ...: leave the choice to the caller
+    if torch.device(device).type != "cpu":  # mps, meta, ...: no measured choice, so float32
         return torch.float32
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return torch.bfloat16

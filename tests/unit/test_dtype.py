@@ -73,3 +73,9 @@ def test_auto_on_a_device_neither_cuda_nor_cpu_is_float32_without_building_cpu_k
 
     monkeypatch.setattr(cpu_kernels, "load", no_build)
     assert resolve_dtype("auto", "meta") == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_auto_on_cuda_without_cuda_says_so():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_dtype("auto", "cuda")

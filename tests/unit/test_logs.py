@@ -6,45 +6,76 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, log_through_serve
 
 
 def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():
     script = (
-        "import logging\n"
+        "import io, logging, sys\n"
         "from replica.logs import log_to_stderr\n"
         "log_to_stderr(); log_to_stderr()\n"  # a second call adds no second handler
         "logging.getLogger('replica.deployment').info('ready: dtype=%s', 'bfloat16')\n"
         "logging.getLogger('cluster.app').debug('not at INFO')\n"
         "logging.getLogger('some.library').info('library chatter')\n"
+        # a test runner's stderr, swapped in and closed again, must not swallow later lines
+        "real, sys.stderr = sys.stderr, io.StringIO(); sys.stderr.close(); sys.stderr = real\n"
+        "logging.getLogger('router.ingress').warning('still shown')\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
-    assert done.stderr.splitlines() == ["carpool replica.deployment: ready: dtype=bfloat16"]
+    assert done.stderr.splitlines() == [
+        "INFO carpool replica.deployment: ready: dtype=bfloat16",
+        "WARNING carpool router.ingress: still shown",
+    ]
 
 
-def test_serve_replica_loggers_use_serve_handlers_and_level():
+class Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def loggers():
+    """Serve's and Carpool's loggers as they were, restored after the test."""
+    names = (SERVE_LOGGER, *CARPOOL_LOGGERS)
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                    logging.getLogger(name).propagate) for name in names}
+    yield
+    for name, (level, handlers, propagate) in saved.items():
+        target = logging.getLogger(name)
+        target.setLevel(level)
+        target.handlers = handlers
+        target.propagate = propagate
+
+
+def test_serve_replica_loggers_follow_serve_level_and_handlers_also_after_a_reconfigure(loggers):
     serve_logger = logging.getLogger(SERVE_LOGGER)
-    saved = serve_logger.level, list(serve_logger.handlers)
-    saved_carpool = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                            logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
-    records: list[logging.LogRecord] = []
+    first, second = Keep(), Keep()
+    serve_logger.handlers = [first]
+    serve_logger.setLevel(logging.INFO)
+    log_through_serve()
+    logging.getLogger("router.ingress").info("ingress up")
+    logging.getLogger("replica.engine").debug("below Serve's level")
+    assert first.messages == ["ingress up"]
+    # Serve reconfigures a running replica in place (a new logging_config): Carpool follows.
+    serve_logger.handlers = [second]
+    serve_logger.setLevel(logging.WARNING)
+    logging.getLogger("replica.engine").info("now below Serve's level")
+    logging.getLogger("replica.engine").error("step failed")
+    assert first.messages == ["ingress up"] and second.messages == ["step failed"]
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
 
-    try:
-        serve_logger.handlers = [Keep()]
-        serve_logger.setLevel(logging.INFO)
-        log_through_serve()
-        logging.getLogger("router.ingress").info("ingress up")
-        logging.getLogger("replica.engine").debug("below Serve's level")
-        assert [record.getMessage() for record in records] == ["ingress up"]
-    finally:
-        serve_logger.setLevel(saved[0])
-        serve_logger.handlers = saved[1]
-        for name, (level, handlers, propagate) in saved_carpool.items():
-            target = logging.getLogger(name)
-            target.setLevel(level)
-            target.handlers = handlers
-            target.propagate = propagate
+def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    serve_logger.handlers = []  # Serve never configured this process
+    before = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                     logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
+    log_through_serve()
+    after = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                    logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
+    assert after == before
