@@ -211,11 +211,11 @@ def serve_forever(cfg: ServeConfig) -> None:
         typer.echo(f"carpool: failed to start: {exc}", err=True)
         _shutdown(cfg)
         raise typer.Exit(code=1)
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    typer.echo(f"Carpool is serving {cfg.model_name} at {url}  (Ctrl-C stops it)")
-    sys.stdout.flush()
     try:  # a second signal may come at any point from here (a supervisor that signals the group)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        typer.echo(f"Carpool is serving {cfg.model_name} at {url}  (Ctrl-C stops it)")
+        sys.stdout.flush()
         while not stop.wait(0.5):
             pass
         typer.echo(f"carpool: stopping: refusing new requests, up to {cfg.shutdown_timeout_s:g} s for those in flight ...", err=True)

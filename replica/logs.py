@@ -1,8 +1,9 @@
 """Where Carpool's own log lines go. Python drops INFO records of a logger nobody configured
 (its last-resort handler prints WARNING and above), so the replica's ``ready: model=... dtype=...``
-line and the app's ``deploying N replica(s)`` never showed. These two functions set Carpool's
-loggers (``cluster``, ``replica``, ``router``) to INFO in its own processes; other libraries'
-loggers keep their levels. Library use (``replica.LLM`` in a script) calls neither, so there the
+line and the app's ``deploying N replica(s)`` never showed. These two functions send Carpool's
+loggers (``cluster``, ``replica``, ``router``) somewhere in its own processes: the console at
+INFO in the CLIs, Serve's logger at its level in Serve replicas; other libraries' loggers keep
+their levels. Library use (``replica.LLM`` in a script) calls neither, so there the
 application's own logging setup decides.
 """
 
@@ -42,6 +43,18 @@ class _ToServe(logging.Handler):
             serve_logger.handle(record)
 
 
+def in_serve_replica() -> bool:
+    """Whether this code runs inside a Serve replica (``serve.get_replica_context()`` works)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.get_replica_context()
+    except RayServeException:
+        return False
+    return True
+
+
 def log_to_stderr(level: int = logging.INFO) -> None:
     """In a ``carpool`` CLI process: Carpool's records at ``level`` and above go to stderr as
     ``INFO carpool <logger>: <message>``. Calling it again changes nothing."""
@@ -60,12 +73,17 @@ def log_through_serve() -> None:
     """In a Serve replica (engine or ingress): Carpool's records go through Serve's ``ray.serve``
     logger, at its level (INFO by default): to the replica's file under
     ``<ray session>/logs/serve/`` and, with ``RAY_SERVE_LOG_TO_STDERR`` (Serve's default), to the
-    stderr that Ray forwards to the driver's console. Does nothing where Serve has not set that
-    logger up (no handlers: the class built outside Serve, as some tests do)."""
-    if not logging.getLogger(SERVE_LOGGER).handlers:
+    stderr that Ray forwards to the driver's console. Does nothing outside a Serve replica (the
+    deployment class built directly, as some tests do): there the application's setup decides.
+
+    The loggers are set to DEBUG so that a record reaches :class:`_ToServe`, which drops those
+    below Serve's level; a ``logger.debug`` call therefore builds its record (about 30 us), so
+    keep debug lines out of per-step code.
+    """
+    if not in_serve_replica():
         return
     for name in CARPOOL_LOGGERS:
         target = logging.getLogger(name)
-        target.setLevel(logging.DEBUG)  # _ToServe applies Serve's level when a record comes
+        target.setLevel(logging.DEBUG)
         target.handlers = [_ToServe()]
         target.propagate = False

@@ -71,6 +71,12 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
             assert time.monotonic() < deadline, "carpool serve did not come up"
             time.sleep(0.5)
         assert f"{url}/v1" in (tmp_path / "serve.log").read_text()
+        # Carpool's own INFO lines reach the console: the app's, and the replica's start line
+        # with the dtype `auto` took (Ray forwards a replica's lines a moment later).
+        assert "INFO carpool cluster.app: deploying 1 replica(s) of" in (tmp_path / "serve.log").read_text()
+        while "ready: model=HuggingFaceTB/SmolLM2-135M-Instruct dtype=" not in (tmp_path / "serve.log").read_text():
+            assert time.monotonic() < deadline + 30, "no replica start line: " + (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
 
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # no key needed
         denied = httpx.get(url + "/v1/models", timeout=10)

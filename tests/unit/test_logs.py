@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, log_through_serve
+import replica.logs
+from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_through_serve
 
 
 def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():
@@ -53,7 +54,8 @@ def loggers():
         target.propagate = propagate
 
 
-def test_serve_replica_loggers_follow_serve_level_and_handlers_also_after_a_reconfigure(loggers):
+def test_serve_replica_loggers_follow_serve_level_and_handlers_also_after_a_reconfigure(loggers, monkeypatch):
+    monkeypatch.setattr(replica.logs, "in_serve_replica", lambda: True)  # as in a replica's __init__
     serve_logger = logging.getLogger(SERVE_LOGGER)
     first, second = Keep(), Keep()
     serve_logger.handlers = [first]
@@ -71,8 +73,9 @@ def test_serve_replica_loggers_follow_serve_level_and_handlers_also_after_a_reco
 
 
 def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
-    serve_logger = logging.getLogger(SERVE_LOGGER)
-    serve_logger.handlers = []  # Serve never configured this process
+    from ray import serve  # noqa: F401  (importing Serve gives its logger a handler)
+
+    assert logging.getLogger(SERVE_LOGGER).handlers and not in_serve_replica()
     before = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
                      logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
     log_through_serve()
