@@ -262,8 +262,8 @@ def _shutdown(cfg: ServeConfig) -> None:
 def main() -> None:
     """Console-script entry point (``carpool``)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray folds worker lines that differ only in words with digits (each replica's "ready" line
-    # and its id) into one, printed late as "[repeated Nx across cluster]": show each replica's.
+    # Ray's log dedup prints the first of worker lines that differ only in words with digits (each
+    # replica's "ready" line) and holds back or drops the others: show each replica's.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     app()
 

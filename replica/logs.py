@@ -20,9 +20,6 @@ class _Stderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at each record (as Python's last-resort handler does),
     not the stream of the moment it was made, which a test runner may have closed since."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property
     def stream(self):  # type: ignore[override]
         return sys.stderr
