@@ -98,16 +98,16 @@ def build_lock(build_directory: str | os.PathLike) -> Iterator[None]:
         yield
 
 
-def load(cache_root: str | None = None) -> bool:
+def load() -> bool:
     """Build (or load from the extension cache) and register the CPU kernel; True if available.
 
-    ``cache_root``: where torch keeps built extensions (default ``<cache_dir()>/torch_extensions``),
-    unless ``TORCH_EXTENSIONS_DIR`` is set; the build goes to
+    torch keeps built extensions in ``TORCH_EXTENSIONS_DIR``, set here to
+    ``<cache_dir()>/torch_extensions`` unless already set; the build goes to
     ``<it>/carpool_cpu_kernels/<cpu_tag()>``. Only the first call builds; later ones return its answer.
     """
     if "ok" in _state:
         return _state["ok"]
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", cache_root or str(cache_dir() / "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
     try:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension

@@ -40,12 +40,16 @@ class Keep(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def logger_state(names) -> dict[str, tuple]:
+    """Each named logger's (level, handlers, propagate)."""
+    return {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                   logging.getLogger(name).propagate) for name in names}
+
+
 @pytest.fixture
 def loggers():
     """Serve's and Carpool's loggers as they were, restored after the test."""
-    names = (SERVE_LOGGER, *CARPOOL_LOGGERS)
-    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).propagate) for name in names}
+    saved = logger_state((SERVE_LOGGER, *CARPOOL_LOGGERS))
     yield
     for name, (level, handlers, propagate) in saved.items():
         target = logging.getLogger(name)
@@ -76,9 +80,6 @@ def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
     from ray import serve  # noqa: F401  (importing Serve gives its logger a handler)
 
     assert logging.getLogger(SERVE_LOGGER).handlers and not in_serve_replica()
-    before = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                     logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
+    before = logger_state(CARPOOL_LOGGERS)
     log_through_serve()
-    after = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).propagate) for name in CARPOOL_LOGGERS}
-    assert after == before
+    assert logger_state(CARPOOL_LOGGERS) == before
