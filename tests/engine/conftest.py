@@ -2,12 +2,20 @@
 
 Each folder holds a config, random weights and the SmolLM2 tokenizer (vocabulary 49152), so the
 engine loads it through the same code path as a real model and text tests work.
+
+``llm``, ``engine`` and ``base`` are one small engine on the tiny Llama and its greedy reference,
+built once for each module that uses them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from replica import LLM
+from replica.engine import LLMEngine
+from tests.engine.tiny_engine import MAX_MODEL_LEN, PROMPT, greedy
+from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 TINY = dict(
     vocab_size=49152,
@@ -62,3 +70,29 @@ def tiny_model_factory(tmp_path_factory, smollm2_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    """One small engine per test module that asks for it (modules with their own ``llm`` override
+    it): the tiny Llama in float32, 4 seats, 32 blocks of 16, max_model_len 128."""
+    return LLM(
+        model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, block_size=16, num_blocks=32, max_model_len=MAX_MODEL_LEN
+    )
+
+
+@pytest.fixture
+def engine(llm) -> LLMEngine:
+    assert_idle(llm.engine)  # a failed earlier test must not leak into this one
+    return llm.engine
+
+
+@pytest.fixture(scope="module")
+def base(llm):
+    """The greedy reference: PROMPT's first 24 tokens and text, no stop of any kind."""
+    [out] = llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy(max_tokens=24))
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 24
+    assert 2 not in c.token_ids
+    assert c.text == llm.tokenizer.decode(c.token_ids)  # byte-level BPE: the plain decode
+    return c.token_ids, c.text
