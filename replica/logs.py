@@ -40,6 +40,25 @@ class _ToServe(logging.Handler):
             serve_logger.handle(record)
 
 
+class _RefusalsInOneLine(logging.Filter):
+    """Serve logs every exception a replica's method raises as ``Request failed.`` at ERROR with
+    its traceback. A refusal is not the server's failure: a full replica (the client gets a 429)
+    or a request the engine refuses (a 400, e.g. a constraint that does not compile for the
+    vocabulary). Such records become one WARNING line naming the exception, without the
+    traceback, so that a burst of 429s does not fill the log with tracebacks (a 900-request
+    flood once wrote 594 of 22 lines each)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from replica.errors import ReplicaOverloadedError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (ReplicaOverloadedError, ValueError)):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = f"request refused: {type(exc).__name__}: {exc}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def in_serve_replica() -> bool:
     """Whether this code runs inside a Serve replica (``serve.get_replica_context()`` works)."""
     from ray import serve
@@ -70,7 +89,8 @@ def log_through_serve() -> None:
     """In a Serve replica (engine or ingress): Carpool's records go through Serve's ``ray.serve``
     logger, at its level (INFO by default): to the replica's file under
     ``<ray session>/logs/serve/`` and, with ``RAY_SERVE_LOG_TO_STDERR`` (Serve's default), to the
-    stderr that Ray forwards to the driver's console. Does nothing outside a Serve replica (the
+    stderr that Ray forwards to the driver's console. Serve's own lines for refused requests
+    become one line each (:class:`_RefusalsInOneLine`). Does nothing outside a Serve replica (the
     deployment class built directly, as some tests do): there the application's setup decides.
 
     The loggers are set to DEBUG so that a record reaches :class:`_ToServe`, which drops those
@@ -79,6 +99,9 @@ def log_through_serve() -> None:
     """
     if not in_serve_replica():
         return
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    if not any(isinstance(f, _RefusalsInOneLine) for f in serve_logger.filters):
+        serve_logger.addFilter(_RefusalsInOneLine())  # a logger's filters outlive Serve's reconfigures
     for name in CARPOOL_LOGGERS:
         target = logging.getLogger(name)
         target.setLevel(logging.DEBUG)

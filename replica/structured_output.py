@@ -124,8 +124,33 @@ class StructuredOutputsParams:
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if kind == "choice":
-            return llguidance.grammar_from("choice", self.choice)
+            return llguidance.LLMatcher.grammar_from_regex(choice_regex(self.choice))
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+"""The characters Rust's ``regex`` syntax gives a meaning to (``regex_syntax::is_meta_character``);
+any other character stands for itself."""
+
+
+def choice_regex(choices: Sequence[str]) -> str:
+    """A regular expression matching exactly the strings of ``choices``: each escaped
+    (:data:`REGEX_META`) and joined as one alternation.
+
+    llguidance's own ``choice`` grammar makes each string a parser item: it compiles in time that
+    grows faster than the list (7.6 s for 70,000 strings) and refuses any step of 2,000 items or
+    more, so every list of 2,000 strings or more ended at its first token. As one regular
+    expression the list is one lexeme: about 12 microseconds a string, with no such limit.
+    """
+    return "(?:" + "|".join("".join("\\" + c if c in REGEX_META else c for c in s) for s in choices) + ")"
+
+
+def llguidance_reason(error: str) -> str:
+    """llguidance's error text without what it appends for its developers (its parser state, a
+    Rust backtrace), at most 500 characters."""
+    for marker in ("<state>", "<backtrace>"):
+        error = error.split(marker, 1)[0]
+    return error.strip()[:500]
 
 
 def grammar_error(params: StructuredOutputsParams) -> str | None:
@@ -137,7 +162,8 @@ def grammar_error(params: StructuredOutputsParams) -> str | None:
         grammar = params.to_grammar()
     except (ValueError, TypeError) as exc:
         return str(exc)
-    return llguidance.LLMatcher.validate_grammar(grammar, None) or None
+    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+    return llguidance_reason(error) if error else None
 
 
 class Grammar:
@@ -234,8 +260,7 @@ class GrammarCompiler:
                 trial.compute_bitmask()
                 error = trial.get_error()
             if error:
-                reason = error.split("<state>")[0].strip()[:500]  # llguidance appends its parser state
-                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {reason}")
+                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {llguidance_reason(error)}")
             with self._lock:
                 self._cache[key] = template
                 while len(self._cache) > self.cache_size:

@@ -51,7 +51,7 @@ def parse_logit_bias(raw: dict[str, Any] | None, vocab_size: int | None = None) 
             bound = vocab_size if vocab_size is not None else "vocab_size"
             raise refuse(f"token id {key[:40]} is outside the vocabulary [0, {bound})")
         token_id = int(key)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (isinstance(bias, float) and not math.isfinite(bias)):
             raise refuse(f"the bias of token {key} must be a number in [-100, 100], got {str(bias)[:40]!r}")
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
             raise refuse(f"the bias of token {key} must be in [-100, 100], got {str(bias)[:40]}")

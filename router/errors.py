@@ -164,10 +164,10 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
 
 def sampling_error(exc: ValueError) -> OpenAIError:
     """The 400 for a ``ValueError`` from ``SamplingParams``/the engine; its message starts with
-    the field name, which becomes ``param``."""
+    the field name (dotted, e.g. ``structured_outputs.choice:``), which becomes ``param``."""
     message = str(exc)
-    first = message.split(" ", 1)[0]
-    param = first if first.isidentifier() else None
+    first = message.split(" ", 1)[0].rstrip(":")
+    param = first if first and all(part.isidentifier() for part in first.split(".")) else None
     return OpenAIError(message, param=param, code="invalid_value")
 
 

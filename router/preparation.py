@@ -10,8 +10,12 @@ and the fan-out plan (:class:`Prepared`): choice ``prompt_index * n + j`` of a s
 # No "from __future__ import annotations", as in router/ingress.py.
 
 import asyncio
+import contextvars
+import functools
+import inspect
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from replica.request import SamplingParams
@@ -25,6 +29,10 @@ from router.tool_templates import ToolTemplates
 
 
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
+CONSTRAINT_THREADS = 2  # threads that check constraints, apart from tokenization's (see RequestPreparer)
+# Names transformers' apply_chat_template and its template rendering take themselves: a
+# chat_template_kwargs key among them would set the server's own arguments or clash with them.
+_RENDER_ARGUMENTS = {"messages", "conversations", "compiled_template"}
 
 
 class Prepared:
@@ -83,6 +91,16 @@ class RequestPreparer:
         self._max_token_chars = max(1, max(len(t) for t in tokenizer.get_vocab()))
         self._chat_encoder = ChatEncoder(tokenizer)  # the client's text stays text (router/chat_template.py)
         self.tool_templates = ToolTemplates(tokenizer, config.tool_chat_template, config.tool_call_parser)
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"self", "kwargs", "tools", "documents"}
+        self._reserved_template_kwargs = own | _RENDER_ARGUMENTS
+        # Compiling a constraint can take a second (a schema, regex or choice list of megabytes):
+        # its own threads, so that it never holds up other requests' tokenization in the default pool.
+        self._constraint_threads = ThreadPoolExecutor(CONSTRAINT_THREADS, thread_name_prefix="carpool-constraint")
+
+    async def _in_constraint_thread(self, fn: Any, body: Any) -> Any:
+        """``fn(body)`` in one of the constraint threads, with this task's context (as ``asyncio.to_thread``)."""
+        call = functools.partial(contextvars.copy_context().run, fn, body)
+        return await asyncio.get_running_loop().run_in_executor(self._constraint_threads, call)
 
     # ---- tokens and sampling parameters ----------------------------------------------------------
     async def completion(self, body: CompletionRequest, info: dict[str, Any]) -> Prepared:
@@ -109,7 +127,7 @@ class RequestPreparer:
         if body.echo and body.logprobs is not None:  # echo scores the prompt too
             prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
         default = max(DEFAULT_COMPLETION_TOKENS, body.min_tokens)
-        constraint = await asyncio.to_thread(constraint_of, body) if _constrained(body) else None
+        constraint = await self._in_constraint_thread(constraint_of, body) if _constrained(body) else None
         return self._prepare(
             "cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info, constraint=constraint
         )
@@ -121,7 +139,7 @@ class RequestPreparer:
         Raises:
             OpenAIError: 400 as :meth:`completion`, or when the chat template fails.
         """
-        plan, constraint = await asyncio.to_thread(self._constraints, body) if _constrained(body) else (None, None)
+        plan, constraint = await self._in_constraint_thread(self._constraints, body) if _constrained(body) else (None, None)
         ids = await asyncio.to_thread(self._apply_chat_template, body, info, plan)
         self._check_prompt(ids, info, "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -184,7 +202,8 @@ class RequestPreparer:
 
         Raises:
             OpenAIError: 400 if the client sends its own ``chat_template`` (a template is code:
-                the server runs only the model's), the template fails, the text is too long, or
+                the server runs only the model's) or a ``chat_template_kwargs`` key that
+                ``apply_chat_template`` or the rendering takes itself, the template fails, the text is too long, or
                 it holds control-token text the template cannot keep as plain text.
         """
         kwargs = dict(body.chat_template_kwargs or {})
@@ -192,6 +211,12 @@ class RequestPreparer:
             raise OpenAIError(
                 "chat_template_kwargs.chat_template is not accepted: the server applies the model's own chat template",
                 param="chat_template_kwargs", code="unsupported",
+            )
+        if clash := sorted(self._reserved_template_kwargs & kwargs.keys()):
+            raise OpenAIError(
+                f"chat_template_kwargs.{clash[0]} is not accepted: the server sets it (use the request's own fields, "
+                "such as add_generation_prompt and continue_final_message)",
+                param="chat_template_kwargs", code="invalid_value",
             )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         for m in messages:

@@ -28,6 +28,7 @@ Number = Annotated[float, BeforeValidator(_number), Field(allow_inf_nan=False)]
 """A finite JSON number (int or float); strings and booleans are rejected."""
 
 MAX_LOGPROBS = 20  # the engine's cap (SamplingParams.MAX_LOGPROBS); the server's may be lower
+MAX_TOKEN_COUNT = 2**63 - 1  # token counts (max_tokens, min_tokens) fit an int64: arithmetic and messages stay small
 # The server's own caps (n, stop sequences, prompts, logprobs) are IngressConfig fields
 # (router/config.py), checked by the ingress (router/preparation.py).
 
@@ -121,7 +122,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Number | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=256)
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = Field(0, ge=0, le=MAX_TOKEN_COUNT)
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = Field(
@@ -157,7 +158,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Any = Field(..., description="A string, a list of strings, a list of token ids, or a list of such lists.")
     max_tokens: StrictInt | None = Field(
-        None, ge=0, description="Output tokens at most; omitted: 16 (at least min_tokens), capped at what the context leaves; "
+        None, ge=0, le=MAX_TOKEN_COUNT, description="Output tokens at most; omitted: 16 (at least min_tokens), capped at what the context leaves; "
         "0 with echo scores the prompt only.",
     )
     echo: StrictBool = False
@@ -223,8 +224,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="Output tokens at most; default: up to max_model_len.")
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKEN_COUNT, description="Deprecated name of max_completion_tokens.")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKEN_COUNT, description="Output tokens at most; default: up to max_model_len.")
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True

@@ -141,6 +141,10 @@ CAPPED = [
     ("empty prompt list", "/v1/completions", cmpl(prompt=[]), "prompt"),
     ("empty message list", "/v1/chat/completions", chat(messages=[]), "messages"),
     ("huge max_tokens", "/v1/chat/completions", chat(max_tokens=10**12), "max_tokens"),
+    # Integers JSON allows but a float or an int64 does not hold (they once gave a 500).
+    ("max_tokens of 4,300 digits", "/v1/completions", cmpl(max_tokens=int("9" * 4300)), "max_tokens"),
+    ("max_completion_tokens past int64", "/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=2**63), "max_completion_tokens"),
+    ("logit_bias past a float", "/v1/completions", cmpl(logit_bias={"1": 10**309}), "logit_bias"),
     ("prompt over max_model_len", "/v1/completions", cmpl(prompt="word " * 200, max_tokens=1), "prompt"),
     # Refused by length alone, before tokenizing: max_model_len x the longest token's characters.
     ("prompt of megabyte size", "/v1/completions", cmpl(prompt="ab " * 20_000, max_tokens=1), "prompt"),
@@ -149,6 +153,9 @@ CAPPED = [
     ("client chat_template", "/v1/chat/completions",
      chat(chat_template_kwargs={"chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"}),
      "chat_template_kwargs"),
+    # Arguments the server passes to apply_chat_template itself (they gave a TypeError's text).
+    ("chat_template_kwargs setting tokenize", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+    ("chat_template_kwargs naming messages", "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
 ]
 
 

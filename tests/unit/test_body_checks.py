@@ -16,7 +16,8 @@ def test_valid_bias_is_parsed():
 
 @pytest.mark.parametrize(
     "raw",
-    [{"10": 1}, {"9" * 5000: 1}, {"-1": 1}, {"1.5": 1}, {"x": 1}, {" 5": 1}, {"５": 1}, {"5": 101}, {"5": "1"}, {"5": True}],
+    [{"10": 1}, {"9" * 5000: 1}, {"-1": 1}, {"1.5": 1}, {"x": 1}, {" 5": 1}, {"５": 1}, {"5": 101}, {"5": "1"}, {"5": True},
+     {"5": 10**309}, {"5": -(10**4000)}, {"5": float("nan")}],  # ints past a float's range too
 )
 def test_bad_bias_is_a_400_naming_logit_bias(raw):
     with pytest.raises(OpenAIError) as info:

@@ -35,9 +35,11 @@ class Keep(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.messages: list[str] = []
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+        self.records.append(record)
 
 
 def logger_state(names) -> dict[str, tuple]:
@@ -83,3 +85,32 @@ def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
     before = logger_state(CARPOOL_LOGGERS)
     log_through_serve()
     assert logger_state(CARPOOL_LOGGERS) == before
+
+
+def test_serve_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its_traceback(loggers, monkeypatch):
+    from replica.errors import ReplicaOverloadedError
+
+    monkeypatch.setattr(replica.logs, "in_serve_replica", lambda: True)
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    saved_filters = list(serve_logger.filters)
+    keep = Keep()
+    serve_logger.handlers, serve_logger.propagate = [keep], False
+    serve_logger.setLevel(logging.INFO)
+    try:
+        log_through_serve()
+        log_through_serve()  # one filter, however often a replica starts in this process
+        assert sum(type(f).__name__ == "_RefusalsInOneLine" for f in serve_logger.filters) == 1
+        for exc in (ReplicaOverloadedError("replica is full: 12 requests held"), ValueError("max_tokens must be at least 0"),
+                    RuntimeError("boom")):
+            try:
+                raise exc
+            except Exception:
+                serve_logger.exception("Request failed.")  # as Serve's replica does
+    finally:
+        serve_logger.filters = saved_filters
+    full, bad, failed = keep.records
+    assert (full.levelname, full.getMessage(), full.exc_info) == (
+        "WARNING", "request refused: ReplicaOverloadedError: replica is full: 12 requests held", None)
+    assert (bad.levelname, bad.getMessage(), bad.exc_info) == (
+        "WARNING", "request refused: ValueError: max_tokens must be at least 0", None)
+    assert failed.levelname == "ERROR" and failed.getMessage() == "Request failed." and failed.exc_info[0] is RuntimeError

@@ -40,3 +40,18 @@ def test_a_dead_replica_process_is_a_503_and_bad_input_a_400():
 
     bad = _replica_error(from_replica(ValueError("top_k must be -1, 0 or positive, got -5")))
     assert bad.status_code == 400 and bad.body()["error"]["param"] == "top_k"
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ("structured_outputs.choice: the constraint does not compile: NoExtensionBias", "structured_outputs.choice"),
+        ("max_tokens must be at least 0", "max_tokens"),
+        ("structured_outputs.json is not valid JSON: Expecting value", "structured_outputs.json"),
+        ("3 tokens past the context", None),
+        (": nothing", None),
+    ],
+)
+def test_a_refusal_names_the_field_its_message_starts_with(message, param):
+    bad = _replica_error(from_replica(ValueError(message)))
+    assert bad.status_code == 400 and bad.param == param and bad.message == message

@@ -293,3 +293,28 @@ def test_tool_choice_constraint_wins_and_formats_conflict_with_tools():
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
         error = refused(RequestPreparer._constraints, chat(tools=[WEATHER], tool_choice=choice, response_format={"type": "json_object"}))
         assert error.param == "response_format"
+
+
+def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2_tokenizer, monkeypatch):
+    """A slow constraint (a schema or list of megabytes) holds up only other constraints: the
+    default pool that tokenizes every request's prompt stays free."""
+    import asyncio
+    import threading
+
+    import router.preparation
+    from router.config import IngressConfig
+
+    seen: list[str] = []
+
+    def recording(body):
+        seen.append(threading.current_thread().name)
+        return constraint_of(body)
+
+    monkeypatch.setattr(router.preparation, "constraint_of", recording)
+    preparer = RequestPreparer(IngressConfig(), smollm2_tokenizer, "m")
+    info = {"max_model_len": 256, "vocab_size": 49152}
+    body = CompletionRequest(model="m", prompt="Pick:", guided_choice=["yes", "no"])
+    prepared = asyncio.run(preparer.completion(body, info))
+    assert prepared.params[0][0].structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    asyncio.run(preparer.chat(chat(guided_regex="a+"), info))
+    assert len(seen) == 2 and all(name.startswith("carpool-constraint") for name in seen)
