@@ -36,7 +36,6 @@ from replica.model_loader import load_model, resolve_dtype
 from replica.request import TokenLogprobs
 from replica.sampler import Sampler, cpu_inversion
 from replica.scheduler_output import SchedulerOutput
-from replica.shapes import padded_size
 
 logger = logging.getLogger(__name__)
 
