@@ -27,7 +27,7 @@ from typing import Any
 from replica.config import EngineConfig
 from replica.delta_channel import DeltaChannels
 from replica.errors import ReplicaOverloadedError
-from replica.logs import log_through_serve
+from replica.logs import log_refusals_in_one_line, log_through_serve
 from replica.request import SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class LLMReplica:
         max_waiting_requests: int | None = None,
     ) -> None:
         log_through_serve()
+        log_refusals_in_one_line()
         config = EngineConfig(**engine_config)
         if config.device == "cpu":
             import torch

@@ -42,11 +42,12 @@ class _ToServe(logging.Handler):
 
 class _RefusalsInOneLine(logging.Filter):
     """Serve logs every exception a replica's method raises as ``Request failed.`` at ERROR with
-    its traceback. A refusal is not the server's failure: a full replica (the client gets a 429)
-    or a request the engine refuses (a 400, e.g. a constraint that does not compile for the
-    vocabulary). Such records become one WARNING line naming the exception, without the
-    traceback, so that a burst of 429s does not fill the log with tracebacks (a 900-request
-    flood once wrote 594 of 22 lines each)."""
+    its traceback. In the engine's replica, two are refusals, not failures: a full replica
+    (``ReplicaOverloadedError``, the client gets a 429) and a request the engine refuses
+    (``ValueError``, a 400: ``LLMReplica.generate``'s contract, e.g. a constraint that does not
+    compile for the vocabulary). Those records become one WARNING line naming the exception,
+    without the traceback, so that a burst of 429s does not fill the log (a 900-request flood
+    once wrote 594 tracebacks of 22 lines each)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from replica.errors import ReplicaOverloadedError
@@ -89,8 +90,7 @@ def log_through_serve() -> None:
     """In a Serve replica (engine or ingress): Carpool's records go through Serve's ``ray.serve``
     logger, at its level (INFO by default): to the replica's file under
     ``<ray session>/logs/serve/`` and, with ``RAY_SERVE_LOG_TO_STDERR`` (Serve's default), to the
-    stderr that Ray forwards to the driver's console. Serve's own lines for refused requests
-    become one line each (:class:`_RefusalsInOneLine`). Does nothing outside a Serve replica (the
+    stderr that Ray forwards to the driver's console. Does nothing outside a Serve replica (the
     deployment class built directly, as some tests do): there the application's setup decides.
 
     The loggers are set to DEBUG so that a record reaches :class:`_ToServe`, which drops those
@@ -99,11 +99,21 @@ def log_through_serve() -> None:
     """
     if not in_serve_replica():
         return
-    serve_logger = logging.getLogger(SERVE_LOGGER)
-    if not any(isinstance(f, _RefusalsInOneLine) for f in serve_logger.filters):
-        serve_logger.addFilter(_RefusalsInOneLine())  # a logger's filters outlive Serve's reconfigures
     for name in CARPOOL_LOGGERS:
         target = logging.getLogger(name)
         target.setLevel(logging.DEBUG)
         target.handlers = [_ToServe()]
         target.propagate = False
+
+
+def log_refusals_in_one_line() -> None:
+    """In the engine's Serve replica (``LLMReplica``, whose methods raise ``ValueError`` only to
+    refuse a request): Serve logs a refused request in one WARNING line (:class:`_RefusalsInOneLine`);
+    every other exception keeps its ERROR line and traceback. Not for the ingress, where a
+    ``ValueError`` escaping a handler is a bug. Does nothing outside a Serve replica; calling it
+    again adds nothing."""
+    if not in_serve_replica():
+        return
+    serve_logger = logging.getLogger(SERVE_LOGGER)
+    if not any(isinstance(f, _RefusalsInOneLine) for f in serve_logger.filters):
+        serve_logger.addFilter(_RefusalsInOneLine())  # a logger's filters outlive Serve's reconfigures

@@ -38,6 +38,11 @@ DEAD_END = "structured output dead end: no token can continue the constraint"
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
+MAX_CHOICE_CHARS = 100_000
+"""Characters of one ``choice`` string at most. llguidance's lexer compiles a longer one but then
+gives up at the first token ("too many expressions constructed", from about 550,000 characters of
+one string): a dead end where a 400 belongs. 20 strings of 100,000 characters work."""
+
 JSON_FORMAT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 """How constrained JSON is laid out (llguidance's ``x-guidance`` options): one line, the
 separators of ``json.dumps``. Flexible whitespace lets a small model pad with newlines and spaces
@@ -70,7 +75,8 @@ class StructuredOutputsParams:
         """Check the shape (not the grammar itself: :func:`grammar_error` does that).
 
         Raises:
-            ValueError: naming the field: none or several set, or a field of the wrong type.
+            ValueError: naming the field: none or several set, a field of the wrong type, or a
+                ``choice`` string longer than :data:`MAX_CHOICE_CHARS`.
         """
         chosen = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(chosen) != 1:
@@ -86,6 +92,8 @@ class StructuredOutputsParams:
         if self.choice is not None:
             if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            if (longest := max(map(len, self.choice))) > MAX_CHOICE_CHARS:
+                raise ValueError(f"structured_outputs.choice: each string may hold at most {MAX_CHOICE_CHARS} characters, got {longest}")
 
     @property
     def kind(self) -> str:

@@ -46,11 +46,11 @@ def parse_logit_bias(raw: dict[str, Any] | None, vocab_size: int | None = None) 
             raise refuse(f"keys must be token ids (integers), got {key[:40]!r}")
         if key.startswith("-"):
             raise refuse(f"token id {key[:40]} is negative, outside the vocabulary")
-        digits = key.lstrip("-").lstrip("0")
-        if len(digits) > 20 or (vocab_size is not None and int(key) >= vocab_size):  # no int() of 1000s of digits
+        digits = key.lstrip("0") or "0"  # int() of the key itself fails past 4,300 digits, leading zeros too
+        if len(digits) > 20 or (vocab_size is not None and int(digits) >= vocab_size):
             bound = vocab_size if vocab_size is not None else "vocab_size"
             raise refuse(f"token id {key[:40]} is outside the vocabulary [0, {bound})")
-        token_id = int(key)
+        token_id = int(digits)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or (isinstance(bias, float) and not math.isfinite(bias)):
             raise refuse(f"the bias of token {key} must be a number in [-100, 100], got {str(bias)[:40]!r}")
         if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:

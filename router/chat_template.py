@@ -6,7 +6,8 @@ from. A message whose content holds ``<|im_end|>\\n<|im_start|>system\\n...`` wo
 client's own turn and open a system turn. :class:`ChatEncoder` keeps such text plain:
 
 1. No client string (message contents and every other message field, ``chat_template_kwargs``
-   values) holds control-token text, the usual case: render and encode the whole text, exactly as
+   values, and the keys of every object among them, such as a tool's property names) holds
+   control-token text, the usual case: render and encode the whole text, exactly as
    before.
 2. Otherwise wrap each control-token string in the client's strings in private-use markers and
    render. Split the text at the unmarked control tokens, which only the template wrote, and emit
@@ -110,12 +111,13 @@ class ChatEncoder:
         return None, ""
 
     def _rewrite(self, obj: Any, replace: Callable[[re.Match[str]], str]) -> Any:
-        """A copy of ``obj`` whose strings lose their marker characters and have each control-token
-        string replaced by ``replace(match)``; dict keys stay as they are."""
+        """A copy of ``obj`` whose strings, dict keys included (a tool's property names reach the
+        text through ``tojson``), lose their marker characters and have each control-token string
+        replaced by ``replace(match)``."""
         if isinstance(obj, str):
             return self._control_re.sub(replace, obj.replace(_START, "").replace(_END, ""))
         if isinstance(obj, dict):
-            return {k: self._rewrite(v, replace) for k, v in obj.items()}
+            return {self._rewrite(k, replace): self._rewrite(v, replace) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._rewrite(v, replace) for v in obj)
         return obj
@@ -183,11 +185,12 @@ class ChatEncoder:
 
 
 def _strings(obj: Any):
-    """Every string value in ``obj`` (a string, or dicts and lists of them), depth first."""
+    """Every string in ``obj`` (a string, or dicts and lists of them; dict keys too), depth first."""
     if isinstance(obj, str):
         yield obj
     elif isinstance(obj, dict):
-        for v in obj.values():
+        for k, v in obj.items():
+            yield from _strings(k)
             yield from _strings(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:

@@ -32,7 +32,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's d
 CONSTRAINT_THREADS = 2  # threads that check constraints, apart from tokenization's (see RequestPreparer)
 # Names transformers' apply_chat_template and its template rendering take themselves: a
 # chat_template_kwargs key among them would set the server's own arguments or clash with them.
-_RENDER_ARGUMENTS = {"messages", "conversations", "compiled_template"}
+_RENDER_ARGUMENTS = {"self", "messages", "conversations", "compiled_template"}
 
 
 class Prepared:
@@ -91,7 +91,7 @@ class RequestPreparer:
         self._max_token_chars = max(1, max(len(t) for t in tokenizer.get_vocab()))
         self._chat_encoder = ChatEncoder(tokenizer)  # the client's text stays text (router/chat_template.py)
         self.tool_templates = ToolTemplates(tokenizer, config.tool_chat_template, config.tool_call_parser)
-        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"self", "kwargs", "tools", "documents"}
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs", "tools", "documents"}
         self._reserved_template_kwargs = own | _RENDER_ARGUMENTS
         # Compiling a constraint can take a second (a schema, regex or choice list of megabytes):
         # its own threads, so that it never holds up other requests' tokenization in the default pool.

@@ -156,6 +156,7 @@ CAPPED = [
     # Arguments the server passes to apply_chat_template itself (they gave a TypeError's text).
     ("chat_template_kwargs setting tokenize", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
     ("chat_template_kwargs naming messages", "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    ("chat_template_kwargs naming self", "/v1/chat/completions", chat(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
 ]
 
 

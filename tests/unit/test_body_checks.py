@@ -11,6 +11,7 @@ from router.protocol import OpenAIError
 def test_valid_bias_is_parsed():
     assert parse_logit_bias({"5": -100, "0007": 2.5, "0": 100}, vocab_size=10) == {5: -100.0, 7: 2.5, 0: 100.0}
     assert parse_logit_bias({"0" * 30 + "1": 1}, vocab_size=10) == {1: 1.0}  # leading zeros are still token 1
+    assert parse_logit_bias({"0" * 5000 + "1": 1, "0" * 5000: 2}, vocab_size=10) == {1: 1.0, 0: 2.0}  # past int()'s 4,300 digits
     assert parse_logit_bias(None) is None and parse_logit_bias({}) is None
 
 

@@ -10,7 +10,14 @@ import string
 import pytest
 import torch
 
-from replica.structured_output import REGEX_META, GrammarCompiler, StructuredOutputsParams, choice_regex, llguidance_reason
+from replica.structured_output import (
+    MAX_CHOICE_CHARS,
+    REGEX_META,
+    GrammarCompiler,
+    StructuredOutputsParams,
+    choice_regex,
+    llguidance_reason,
+)
 
 VOCAB = 49152
 # Every character Rust's regex syntax gives a meaning to, alone and in regex-looking strings, and
@@ -62,3 +69,9 @@ def test_llguidance_reason_keeps_only_the_message():
     assert llguidance_reason("panic: too big\n<backtrace>\n 0: <unknown>\n") == "panic: too big"
     assert llguidance_reason("Parser Error: no match\n<state>\nTokens: x") == "Parser Error: no match"
     assert llguidance_reason("x" * 600) == "x" * 500
+
+
+def test_a_string_longer_than_the_lexer_can_walk_is_refused_up_front():
+    StructuredOutputsParams(choice=["a" * MAX_CHOICE_CHARS])
+    with pytest.raises(ValueError, match=r"^structured_outputs.choice: each string may hold at most 100000 characters, got 100001"):
+        StructuredOutputsParams(choice=["yes", "a" * (MAX_CHOICE_CHARS + 1)])

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import replica.logs
-from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_through_serve
+from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_refusals_in_one_line, log_through_serve
 
 
 def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():
@@ -82,12 +82,13 @@ def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
     from ray import serve  # noqa: F401  (importing Serve gives its logger a handler)
 
     assert logging.getLogger(SERVE_LOGGER).handlers and not in_serve_replica()
-    before = logger_state(CARPOOL_LOGGERS)
+    before, filters = logger_state(CARPOOL_LOGGERS), list(logging.getLogger(SERVE_LOGGER).filters)
     log_through_serve()
-    assert logger_state(CARPOOL_LOGGERS) == before
+    log_refusals_in_one_line()
+    assert logger_state(CARPOOL_LOGGERS) == before and logging.getLogger(SERVE_LOGGER).filters == filters
 
 
-def test_serve_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its_traceback(loggers, monkeypatch):
+def test_the_engine_replica_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its_traceback(loggers, monkeypatch):
     from replica.errors import ReplicaOverloadedError
 
     monkeypatch.setattr(replica.logs, "in_serve_replica", lambda: True)
@@ -97,8 +98,13 @@ def test_serve_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its
     serve_logger.handlers, serve_logger.propagate = [keep], False
     serve_logger.setLevel(logging.INFO)
     try:
-        log_through_serve()
-        log_through_serve()  # one filter, however often a replica starts in this process
+        log_through_serve()  # the ingress's setup: refusals keep Serve's own line
+        try:
+            raise ValueError("a bug in a handler")
+        except ValueError:
+            serve_logger.exception("Request failed.")
+        log_refusals_in_one_line()
+        log_refusals_in_one_line()  # one filter, however often a replica starts in this process
         assert sum(type(f).__name__ == "_RefusalsInOneLine" for f in serve_logger.filters) == 1
         for exc in (ReplicaOverloadedError("replica is full: 12 requests held"), ValueError("max_tokens must be at least 0"),
                     RuntimeError("boom")):
@@ -108,7 +114,8 @@ def test_serve_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its
                 serve_logger.exception("Request failed.")  # as Serve's replica does
     finally:
         serve_logger.filters = saved_filters
-    full, bad, failed = keep.records
+    ingress_bug, full, bad, failed = keep.records
+    assert ingress_bug.levelname == "ERROR" and ingress_bug.exc_info[0] is ValueError
     assert (full.levelname, full.getMessage(), full.exc_info) == (
         "WARNING", "request refused: ReplicaOverloadedError: replica is full: 12 requests held", None)
     assert (bad.levelname, bad.getMessage(), bad.exc_info) == (

@@ -142,6 +142,7 @@ def test_text_format_next_to_another_source_is_not_a_conflict():
         ({"guided_regex": ""}, "guided_regex"),
         ({"guided_grammar": "start: ((("}, "guided_grammar"),
         ({"guided_choice": "yes"}, "guided_choice"),
+        ({"guided_choice": ["yes", "a" * 100_001]}, "guided_choice"),  # past what llguidance's lexer walks
     ],
 )
 def test_bad_constraint_is_a_400_naming_its_field(body, param):
