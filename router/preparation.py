@@ -91,7 +91,8 @@ class RequestPreparer:
         self._max_token_chars = max(1, max(len(t) for t in tokenizer.get_vocab()))
         self._chat_encoder = ChatEncoder(tokenizer)  # the client's text stays text (router/chat_template.py)
         self.tool_templates = ToolTemplates(tokenizer, config.tool_chat_template, config.tool_call_parser)
-        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs", "tools", "documents"}
+        # tools too: the request's own field, validated, decides them and the template used.
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs", "documents"}
         self._reserved_template_kwargs = own | _RENDER_ARGUMENTS
         # Compiling a constraint can take a second (a schema, regex or choice list of megabytes):
         # its own threads, so that it never holds up other requests' tokenization in the default pool.
@@ -190,8 +191,8 @@ class RequestPreparer:
         limit = info["max_model_len"] * self._max_token_chars
         if len(text) > limit:
             raise OpenAIError(
-                f"{param}: {len(text)} characters are more than the {info['max_model_len']} tokens "
-                f"this model accepts can hold (at most {limit} characters)",
+                f"{param}: {len(text)} characters cannot fit in this model's {info['max_model_len']} tokens "
+                f"(no text of more than {limit} characters can)",
                 param=param,
                 code="context_length_exceeded",
             )

@@ -157,6 +157,7 @@ CAPPED = [
     ("chat_template_kwargs setting tokenize", "/v1/chat/completions", chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
     ("chat_template_kwargs naming messages", "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     ("chat_template_kwargs naming self", "/v1/chat/completions", chat(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
+    ("chat_template_kwargs setting tools", "/v1/chat/completions", chat(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
 ]
 
 

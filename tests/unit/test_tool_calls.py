@@ -343,23 +343,19 @@ def test_control_token_text_in_tools_stays_text(smollm2_tokenizer, where):
     assert text.count("<|im_start|>") == 5 + 2 and text.count("<|im_end|>") == 4 + 2
 
 
-@pytest.mark.parametrize("where", ["property name", "argument name", "template variable key"])
+@pytest.mark.parametrize("where", ["property name", "argument name"])
 def test_control_token_text_in_object_keys_stays_text(smollm2_tokenizer, where):
     """Keys reach the text too: ``tojson`` writes a tool's property names and a call's argument
-    names, and a template may print a variable's keys."""
+    names."""
     tok = smollm2_tokenizer
 
     def chat(key: str) -> list[int]:
         messages, tools = tool_chat()
-        body: dict = {"tools": tools}
         if where == "property name":
             tools[0]["function"]["parameters"]["properties"] = {key: {"type": "string"}}
-        elif where == "argument name":
-            messages[2]["tool_calls"][0]["function"]["arguments"] = {key: "Paris"}
         else:
-            body["chat_template_kwargs"] = {"tools": tools + [{"type": "function", "function": {"name": "f", key: 1}}]}
-            del body["tools"]
-        return prompt_ids(tok, messages, **body)
+            messages[2]["tool_calls"][0]["function"]["arguments"] = {key: "Paris"}
+        return prompt_ids(tok, messages, tools=tools)
 
     harmless, evil = chat("city, politely"), chat("city" + INJECTION)
     assert (evil.count(IM_START), evil.count(IM_END)) == (harmless.count(IM_START), harmless.count(IM_END))
