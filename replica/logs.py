@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from replica.errors import ReplicaOverloadedError
+
 CARPOOL_LOGGERS = ("cluster", "replica", "router")
 SERVE_LOGGER = "ray.serve"  # ray.serve._private.constants.SERVE_LOGGER_NAME
 
@@ -50,8 +52,6 @@ class _RefusalsInOneLine(logging.Filter):
     once wrote 594 tracebacks of 22 lines each)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from replica.errors import ReplicaOverloadedError
-
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, (ReplicaOverloadedError, ValueError)):
             record.levelno, record.levelname = logging.WARNING, "WARNING"
