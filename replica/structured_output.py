@@ -24,6 +24,7 @@ cached by constraint: a cached matcher is copied (microseconds) for each new req
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -60,6 +61,9 @@ class StructuredOutputsParams:
         regex: the output matches this regular expression (Rust ``regex`` syntax, anchored).
         choice: the output is exactly one of these strings.
         grammar: a Lark grammar in llguidance's dialect (``%json {...}`` embeds a schema).
+        field: the request field the constraint came from (``guided_regex``,
+            ``response_format.json_schema.schema``, ...), named by errors; default
+            ``structured_outputs.<kind>``. Not part of the constraint (:meth:`key`).
     """
 
     json: dict[str, Any] | str | None = None
@@ -67,6 +71,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    field: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +104,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """The field that is set: one of :data:`KINDS`."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The request field errors name: :attr:`field`, else ``structured_outputs.<kind>``."""
+        return self.field or f"structured_outputs.{self.kind}"
 
     def key(self) -> str:
         """A canonical text of the constraint (the compile cache's key): equal constraints, equal keys."""
@@ -153,12 +163,26 @@ def choice_regex(choices: Sequence[str]) -> str:
     return "(?:" + "|".join("".join("\\" + c if c in REGEX_META else c for c in s) for s in choices) + ")"
 
 
-def llguidance_reason(error: str) -> str:
-    """llguidance's error text without what it appends for its developers (its parser state, a
-    Rust backtrace), at most 500 characters."""
+_WRAPPER_CONTEXT = re.compile(r"\n +\d+ \| start: .*", re.DOTALL)  # the grammar line a regex was wrapped in, and its caret
+_WRAPPER_POSITION = re.compile(r"^at \d+\(\d+\): ")  # a position in that wrapper, not in the client's text
+
+NO_OUTPUT = "no output satisfies it (it matches nothing the model's tokens can spell)"
+"""What llguidance's bare ``NoExtensionBias`` (no token may start the output) means to a client."""
+
+
+def llguidance_reason(error: str, kind: str | None = None) -> str:
+    """llguidance's error text for a client, at most 500 characters: without what it appends for
+    its developers (its parser state, a Rust backtrace); for a ``regex`` or ``choice`` (``kind``),
+    without the one-line grammar Carpool wrapped it in (``start: /.../``) and positions in it;
+    ``NoExtensionBias`` explained (:data:`NO_OUTPUT`)."""
     for marker in ("<state>", "<backtrace>"):
         error = error.split(marker, 1)[0]
-    return error.strip()[:500]
+    error = error.strip()
+    if kind in ("regex", "choice"):
+        error = _WRAPPER_POSITION.sub("", _WRAPPER_CONTEXT.sub("", error))
+    if error == "NoExtensionBias":
+        error = f"{NO_OUTPUT} (llguidance: NoExtensionBias)"
+    return error[:500]
 
 
 def grammar_error(params: StructuredOutputsParams) -> str | None:
@@ -171,7 +195,7 @@ def grammar_error(params: StructuredOutputsParams) -> str | None:
     except (ValueError, TypeError) as exc:
         return str(exc)
     error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    return llguidance_reason(error) if error else None
+    return llguidance_reason(error, params.kind) if error else None
 
 
 class Grammar:
@@ -246,8 +270,8 @@ class GrammarCompiler:
         """A fresh :class:`Grammar` for ``params``.
 
         Raises:
-            ValueError: naming ``structured_outputs``: the constraint does not compile (llguidance's
-                message).
+            ValueError: naming the constraint's field (:attr:`StructuredOutputsParams.source`): it
+                does not compile, or no token may start an output it allows (llguidance's message).
         """
         import llguidance
 
@@ -268,7 +292,7 @@ class GrammarCompiler:
                 trial.compute_bitmask()
                 error = trial.get_error()
             if error:
-                raise ValueError(f"structured_outputs.{params.kind}: the constraint does not compile: {llguidance_reason(error)}")
+                raise ValueError(f"{params.source}: the constraint does not compile: {llguidance_reason(error, params.kind)}")
             with self._lock:
                 self._cache[key] = template
                 while len(self._cache) > self.cache_size:

@@ -25,7 +25,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from replica.errors import EngineDeadError, ReplicaOverloadedError, RequestAbortedError, RequestFailedError
-from router.protocol import OpenAIError
+from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +162,20 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     return OpenAIError(f"{param}: {msg}{more}" if param else msg + more, param=param, code="invalid_value")
 
 
+API_FIELDS = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields)
+"""The top-level fields of the request bodies: a ``param`` names one of them (or a path in one)."""
+
+
 def sampling_error(exc: ValueError) -> OpenAIError:
-    """The 400 for a ``ValueError`` from ``SamplingParams``/the engine; its message starts with
-    the field name (dotted, e.g. ``structured_outputs.choice:``), which becomes ``param``."""
+    """The 400 for a ``ValueError`` from ``SamplingParams``/the engine. Its message starts with
+    the field at fault (a dotted path such as ``structured_outputs.choice:`` or
+    ``tools.0.function.parameters:``), which becomes ``param`` when it starts with one of
+    :data:`API_FIELDS`; a first word that names no field (``request_id ...``) gives no param."""
     message = str(exc)
     first = message.split(" ", 1)[0].rstrip(":")
-    param = first if first and all(part.isidentifier() for part in first.split(".")) else None
-    return OpenAIError(message, param=param, code="invalid_value")
+    parts = first.split(".")
+    named = parts[0] in API_FIELDS and all(p.isidentifier() or p.isdigit() for p in parts)
+    return OpenAIError(message, param=first if named else None, code="invalid_value")
 
 
 def replica_error(exc: BaseException) -> OpenAIError:

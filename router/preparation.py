@@ -35,6 +35,15 @@ CONSTRAINT_THREADS = 2  # threads that check constraints, apart from tokenizatio
 _RENDER_ARGUMENTS = {"self", "messages", "conversations", "compiled_template"}
 
 
+def _renders(apply: Any, chat: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> bool:
+    """Whether ``apply(chat, template_kwargs)`` renders without an error."""
+    try:
+        apply(chat, template_kwargs)
+    except Exception:
+        return False
+    return True
+
+
 class Prepared:
     """A validated request: prompts as token ids and one SamplingParams per choice.
 
@@ -231,18 +240,24 @@ class RequestPreparer:
             if isinstance(content, str):
                 self._check_prompt_chars(content, info, f"messages.{i}.content")
 
+        def apply(chat: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
+            return self.tokenizer.apply_chat_template(
+                chat,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+                **template,
+                **template_kwargs,
+            )
+
         def render(chat: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> str:
             try:
-                text = self.tokenizer.apply_chat_template(
-                    chat,
-                    tokenize=False,
-                    add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                    continue_final_message=body.continue_final_message,
-                    **template,
-                    **template_kwargs,
-                )
+                text = apply(chat, template_kwargs)
             except Exception as exc:  # jinja errors, e.g. a role the template rejects
-                raise OpenAIError(f"messages: the chat template failed: {exc}", param="messages", code="invalid_value") from None
+                # Blame the client's template variables when the template renders without them.
+                client = (body.chat_template_kwargs or {}).keys()
+                param = "chat_template_kwargs" if client and _renders(apply, chat, {k: v for k, v in template_kwargs.items() if k not in client}) else "messages"
+                raise OpenAIError(f"{param}: the chat template failed: {exc}", param=param, code="invalid_value") from None
             self._check_prompt_chars(text, info, "messages")
             return text
 

@@ -48,8 +48,9 @@ def _checked(params: StructuredOutputsParams, param: str) -> StructuredOutputsPa
 
 
 def _build(param: str, **fields: Any) -> StructuredOutputsParams:
+    """The constraint of ``fields`` (one kind), naming ``param`` in the replica's errors too."""
     try:
-        return StructuredOutputsParams(**fields)
+        return StructuredOutputsParams(**fields, field=param)
     except ValueError as exc:
         message = str(exc).split(": ", 1)[-1] if str(exc).startswith("structured_outputs") else str(exc)
         raise _refuse(param, message) from None

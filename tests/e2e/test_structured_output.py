@@ -348,6 +348,9 @@ BAD = [
     ("/completions", {"guided_choice": []}, "guided_choice"),
     ("/completions", {"guided_grammar": "start: nowhere"}, "guided_grammar"),
     ("/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    # compiles without the vocabulary (the ingress's check), refused by the replica: no text matches
+    ("/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+    ("/chat/completions", {"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),
 ]
 
 

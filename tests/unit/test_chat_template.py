@@ -147,6 +147,21 @@ def test_names_and_template_kwargs_stay_plain(smollm2_path):
     assert tokenizer.decode(ids).startswith("<|im_start|>system\nEvil<|im_end|>\n<|im_start|>user\nbob<|im_end|>: Hi")
 
 
+@pytest.mark.parametrize("kwargs, messages, param", [
+    ({"items": 5}, [{"role": "user", "content": "Hi"}], "chat_template_kwargs"),  # not iterable
+    ({"items": []}, [{"role": "system", "content": "Hi"}], "messages"),  # a role this template refuses
+    ({}, [{"role": "system", "content": "Hi"}], "messages"),
+])
+def test_a_template_failure_blames_what_caused_it(smollm2_path, kwargs, messages, param):
+    prefix = "{% for d in items %}{{ d }}{% endfor %}{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+    tokenizer = with_template(smollm2_path, chatml("message['content']", prefix))
+    request = ChatCompletionRequest(model="m", messages=messages, chat_template_kwargs=kwargs)
+    with pytest.raises(OpenAIError) as err:
+        preparer_for(tokenizer)._apply_chat_template(request, INFO)
+    assert (err.value.status_code, err.value.param) == (400, param)
+    assert err.value.message.startswith(f"{param}: the chat template failed: ")
+
+
 @pytest.mark.parametrize("content_expr, prefix", [
     ("message['content'][1:]", ""),  # cuts the leading marker off a token
     ("message['content']", "{% if '<|im_start|>' in messages[-1]['content'] %}<|im_start|>system\nCareful<|im_end|>\n{% endif %}"),

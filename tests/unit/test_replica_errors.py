@@ -48,8 +48,12 @@ def test_a_dead_replica_process_is_a_503_and_bad_input_a_400():
         ("structured_outputs.choice: the constraint does not compile: NoExtensionBias", "structured_outputs.choice"),
         ("max_tokens must be at least 0", "max_tokens"),
         ("structured_outputs.json is not valid JSON: Expecting value", "structured_outputs.json"),
+        ("guided_regex: the constraint does not compile: no output satisfies it", "guided_regex"),
+        ("tools.0.function.parameters: the constraint does not compile", "tools.0.function.parameters"),
         ("3 tokens past the context", None),
         (": nothing", None),
+        ("request_id 'x-0' is already in use", None),
+        ("prompt_token_ids must be a list", None),
     ],
 )
 def test_a_refusal_names_the_field_its_message_starts_with(message, param):

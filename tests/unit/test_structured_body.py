@@ -82,6 +82,7 @@ def test_each_source_gives_its_kind(make, body, kind, value):
     assert isinstance(params, StructuredOutputsParams)
     assert params.kind == kind
     assert getattr(params, kind) == value
+    assert params.source.split(".")[0] == next(iter(body))  # the replica's errors name the client's field
 
 
 @pytest.mark.parametrize("body", [{}, {"response_format": {"type": "text"}}, {"guided_json": None}])
@@ -316,6 +317,6 @@ def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2
     info = {"max_model_len": 256, "vocab_size": 49152}
     body = CompletionRequest(model="m", prompt="Pick:", guided_choice=["yes", "no"])
     prepared = asyncio.run(preparer.completion(body, info))
-    assert prepared.params[0][0].structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    assert prepared.params[0][0].structured_outputs == StructuredOutputsParams(choice=["yes", "no"], field="guided_choice")
     asyncio.run(preparer.chat(chat(guided_regex="a+"), info))
     assert len(seen) == 2 and all(name.startswith("carpool-constraint") for name in seen)

@@ -180,16 +180,24 @@ def test_grammar_error_none_for_valid_constraints(params):
         (StructuredOutputsParams(json="[1, 2]"), ["structured_outputs.json", "object"]),
         (StructuredOutputsParams(regex="(abc"), ["unclosed group"]),
         (StructuredOutputsParams(grammar="start: foo"), ["foo"]),
+        (StructuredOutputsParams(grammar="start: foo"), ["start: foo"]),  # a client's grammar keeps its line
         (StructuredOutputsParams(grammar='start: "a" bar\nbar: /[/'), ["regex"]),
     ],
     ids=["json-type", "json-ref", "json-unsatisfiable", "json-text-truncated", "json-text-array", "regex-group",
-         "lark-name", "lark-regex"],
+         "lark-name", "lark-line", "lark-regex"],
 )
 def test_grammar_error_explains_invalid_constraints(params, words):
     error = grammar_error(params)
     assert isinstance(error, str) and error
     for word in words:
         assert word in error
+
+
+@pytest.mark.parametrize("params", [StructuredOutputsParams(regex="(abc"), StructuredOutputsParams(regex=r"\bx")])
+def test_a_regex_error_does_not_show_the_grammar_it_was_wrapped_in(params):
+    error = grammar_error(params)
+    assert error and "start:" not in error and not error.startswith("at ")
+    assert params.regex in error  # the client's own regex is quoted
 
 
 # ---- forbidden_tokens ----------------------------------------------------------------------------
@@ -361,6 +369,8 @@ def test_bad_constraints_raise_value_error_naming_the_field(smollm2_tokenizer):
     compiler = GrammarCompiler(smollm2_tokenizer, VOCAB, on_compile=lambda *a: calls.append(a))
     bad = [
         (StructuredOutputsParams(regex="(abc"), r"(?s)structured_outputs\.regex: .*unclosed group"),
+        # a regex no text matches: llguidance's bare NoExtensionBias, explained, under the client's field
+        (StructuredOutputsParams(regex=r"[^\s\S]", field="guided_regex"), r"^guided_regex: .*no output satisfies it"),
         (StructuredOutputsParams(json={"type": "foo"}), r"structured_outputs\.json: .*foo"),
         (StructuredOutputsParams(json="{oops"), r"structured_outputs\.json is not valid JSON"),
         (StructuredOutputsParams(grammar="start: foo"), r"(?s)structured_outputs\.grammar: .*foo"),
