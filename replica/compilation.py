@@ -15,7 +15,7 @@ decoder.
   ``carpool_cpu::packed_linear`` when its CPU kernels are built (no Python between the compiled
   graph and oneDNN), else the Python custom op ``carpool::packed_linear``. oneDNN's results are
   bit-identical to ``F.linear``. On CPUs with AVX512-BF16, bf16 weights are packed for Carpool's
-  own bf16 kernel instead (``replica/csrc/cpu_kernels.cpp``): faster than oneDNN up to about 128
+  own bf16 kernel instead (``replica/csrc/cpu_linear_bf16.cpp``): faster than oneDNN up to about 128
   rows and even with it above, and a row's result never depends on the other rows of its step.
 * **Compiled decoder.** :func:`compile_decoder` compiles the model's decoder (embedding, every
   layer, final norm) with ``torch.compile`` (inductor) as one graph: norms, rotary, activations
@@ -83,7 +83,7 @@ def prepack_linears(model: torch.nn.Module) -> int:
       bf16 GEMM on an AVX512 Xeon without BF16 at 1 to 512 rows, and batch-invariant.
     * bfloat16 with AVX512-BF16 and the kernels built: Carpool's bf16 kernel, which serves every
       number of rows (faster than oneDNN up to about 128, even with it above) and gives each row
-      the same result whatever its batch (see ``replica/csrc/cpu_kernels.cpp``).
+      the same result whatever its batch (see ``replica/csrc/cpu_linear_bf16.cpp``).
     * other bfloat16 or float16 models where this CPU's oneDNN computes that type (float16 needs
       avx512_fp16 or avx_ne_convert): oneDNN on its own prepacked layout.
 

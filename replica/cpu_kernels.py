@@ -1,4 +1,4 @@
-"""Carpool's own CPU kernels (``replica/csrc/cpu_kernels.cpp`` and ``cpu_sampling.cpp``), built
+"""Carpool's own CPU kernels (``replica/csrc/``: :data:`SOURCES`), built
 on first use with torch's C++ extension loader and cached: paged decode attention, linear layers
 on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
 and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
@@ -37,7 +37,7 @@ from replica.config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-SOURCES = [SOURCE, SOURCE.with_name("cpu_sampling.cpp"), SOURCE.with_name("cpu_linear_f32.cpp")]
+SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp"))]
 NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 
