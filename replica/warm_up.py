@@ -80,6 +80,7 @@ def _dummy_step(runner, query_lens: list[int], width: int) -> None:
     counts = np.array(query_lens, dtype=np.int64)
     n = int(counts.sum())
     seq_lens = counts + (width - 1) * runner.block_size
+    width = max(width, int(-(-seq_lens.max() // runner.block_size)))  # blocks smaller than a query span
     step = StepSequences(
         query_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         query_lens=counts,
