@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from replica.request import TokenLogprobs
+from replica.request import SamplingParams, TokenLogprobs
 
 # Rows per log-softmax: a long prompt's rows in float32 ([rows, V] × 4 bytes, 200 MB for 1,000
 # rows of a 50k vocabulary) are worked through in slices of this many.
 ROWS_PER_SLICE = 256
+
+# Every row's alternatives come from one ``topk`` of this many, whatever its ``k``: torch orders
+# tied values differently for different ``k`` (topk(1) and topk(20)[:1] can name different tokens
+# of equal logprob), so a ``k`` taken from the step's largest request made a row's list depend on
+# its batch mates.
+TOP_K = SamplingParams.MAX_LOGPROBS
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
@@ -37,9 +43,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int])
         chosen = logprobs.gather(1, token_ids[lo:hi].unsqueeze(1))  # [m, 1]
         ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
         chosen_list = chosen.squeeze(1).tolist()
-        max_k = max(ks[lo:hi])
-        if max_k > 0:
-            top = logprobs.topk(max_k, dim=-1)
+        if max(ks[lo:hi]) > 0:
+            top = logprobs.topk(min(TOP_K, logprobs.shape[-1]), dim=-1)
             top_values, top_ids = top.values.tolist(), top.indices.tolist()
         for j in range(hi - lo):
             k = ks[lo + j]
