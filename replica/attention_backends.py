@@ -3,13 +3,13 @@
 * :class:`ReferenceBackend` (``attention_backend="reference"``): one SDPA call per sequence over
   its context gathered from the cache. Obviously right and slow; the fast backends are tested
   against it.
-* :class:`CpuBackend` (the default on CPU): all decodes of a step in one call of Carpool's C++
-  paged decode kernel (:mod:`replica.cpu_kernels`; where it cannot be built, the compiled
-  :func:`decode_attention`, in which inductor fuses the block-table gather into the dot products),
-  and all prefill chunks in one SDPA call over a padded batch whose
-  query and key lengths are bucketed (:func:`replica.shapes.padded_size`) when the step is padded, so
-  that the kernels torch builds per shape stay few. Without compile, decodes go through one SDPA
-  call over their gathered contexts.
+* :class:`CpuBackend` (the default on CPU): every token of a step, decodes and prefill chunks
+  alike, in one call of Carpool's C++ paged decode kernel (:mod:`replica.cpu_kernels`), one query
+  per token. Where the kernel cannot be built: decodes in the compiled :func:`decode_attention`
+  (inductor fuses the block-table gather into the dot products), or without compile in one SDPA
+  call over their gathered contexts; and all prefill chunks in one SDPA call over a padded batch
+  whose query and key lengths are bucketed (:func:`replica.shapes.padded_size`) when the step is
+  padded, so that the kernels torch builds per shape stay few.
 * :class:`CudaBackend` (the default on CUDA, :mod:`replica.attention_cuda`): FlashInfer's paged
   kernels when ``flashinfer`` is installed, else torch's varlen flash attention.
 
@@ -45,10 +45,12 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, block_size: 
 
 # A prefill chunk of at most this many (query, key) pairs runs as decode queries on Carpool's CPU
 # decode kernel (one query per token, StepSequences.decode_queries) instead of the padded SDPA call;
-# a step of decodes and such chunks only stays in the compiled decode graph. Decided per chunk, so a
-# request's path never depends on its batch mates. Measured on the 2-core machine:
-# docs/bench/cpu-speed.md, "Small prefill chunks on the decode path".
-INLINE_CHUNK_PAIRS = 4096
+# a step of decodes and such chunks only stays in the compiled decode graph. Every chunk does: the
+# kernel gives each query the same bits however its prompt was split into chunks and whatever
+# prefix was cached, where SDPA's result for a token depends on its chunk's query and key lengths
+# (in bf16, enough to change greedy tokens). Its cost on long prompts: docs/bench/cpu-speed.md,
+# "Prefill chunks on the decode kernel". Tests set 0 to send every chunk to SDPA.
+INLINE_CHUNK_PAIRS = np.iinfo(np.int64).max
 
 
 def inline_chunks(step: StepSequences, max_pairs: int) -> np.ndarray:

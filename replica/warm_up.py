@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from replica.attention import DecodeStep, StepSequences, running_step
+from replica.attention_backends import inline_chunks
 from replica.compilation import mark_step_dynamic
 from replica.input_batch import to_device
 from replica.shapes import padded_size
@@ -22,9 +23,10 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
       every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
       model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's own
       kernels (``carpool_gemv_weight``, ``carpool_f32_weight``) build nothing and are skipped.
-    * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that both
-      graphs of the compiled decoder are compiled (or loaded from the compile cache) before
-      the first request.
+    * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that the graphs
+      of the compiled decoder that steps take are compiled (or loaded from the compile cache)
+      before the first request: the decode graph, and the graph of steps whose prefill chunks go
+      through the opaque attention op where they do (on CPU without Carpool's kernel; on CUDA).
     * With CUDA graphs: capture every decode bucket (``DecodeGraphs.capture_all``).
 
     Raises ``RuntimeError`` if a CUDA graph capture fails (the message names ``--no-cuda-graphs``).
@@ -91,7 +93,9 @@ def _dummy_step(runner, query_lens: list[int], width: int) -> None:
         num_tokens=n,
     )
     extra = {}
-    if runner.backend.inline_decode and (counts == 1).all():
+    # The graph the runner would take for this step: the decode graph for decodes, and for prefill
+    # chunks too where they run as decode queries (on CPU with Carpool's kernel, every chunk).
+    if runner.backend.inline_decode and inline_chunks(step, runner.backend.inline_chunk_pairs).all():
         extra["carpool_decode"] = DecodeStep(*to_device(runner.decode_arrays(step), runner.device), block_size=runner.block_size)
     else:
         runner.backend.plan(step)

@@ -4,15 +4,18 @@
 //
 // Paged decode attention for CPU: one query token per sequence, reading K/V in place through the
 // sequence's block table (no gathered copy), GQA without repeating heads, softmax in float32. The
-// engine also runs each token of a small prefill chunk as such a "sequence": its sequence's block
-// table, and seq_lens up to itself (causal attention one query at a time; all K/V written first).
+// engine also runs each token of a prefill chunk as such a "sequence": its sequence's block table,
+// and seq_lens up to itself (causal attention one query at a time; all K/V written first). A
+// query's result does not depend on the other queries of the call (kQueryTile below), so a prompt
+// token gets the same bits however its prompt is chunked and whatever prefix was cached.
 //
 // Op carpool_cpu::decode_attention (schema below) first writes the step's new K/V at
 // slot_mapping, then, for every sequence s and KV head g, runs the online softmax of
 // FlashAttention (Dao et al. 2022, arXiv:2205.14135; Milakov & Gimelshein 2018,
 // arXiv:1805.02867) one block of block_size keys at a time: scores of the block for the G query
 // heads that share g, the block's max, one rescale of the running sum and output, then the
-// weighted values. Sequences x KV heads run in parallel under at::parallel_for (torch's threads).
+// weighted values. Tiles of consecutive queries run in parallel under at::parallel_for (torch's
+// threads).
 //
 // Shapes: query [S, H, D]; key, value [S, H_kv, D] (the new token of each sequence);
 // key_cache, value_cache [slots, H_kv, D]; slot_mapping [S]; block_tables [S, W] (int64);
@@ -49,6 +52,30 @@ inline void load_row<at::BFloat16>(const at::BFloat16* __restrict src, float* __
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// Queries per task at most. A task walks the KV blocks once, in order, and at each block runs
+// every query of its tile that reaches it: the tokens of a prefill chunk, which share their
+// sequence's blocks, then read each block from memory once between them instead of once each.
+// A query's arithmetic does not depend on its tile: the same operations, in the same order, on
+// its own state (its scaled query, running max, sum and output), whatever the other queries are.
+// So a prompt token's attention is the same bits whether it comes alone, in a chunk of any size or
+// after a cached prefix, and a decode's whatever its batch.
+constexpr int64_t kQueryTile = 8;
+
+// Where each tile starts (and S at the end): runs of at most kQueryTile consecutive queries of
+// one sequence (a prefill chunk's tokens: the same first block, each one key longer than the one
+// before). A decode is a tile of its own: other sequences share no blocks to read once.
+std::vector<int64_t> query_tiles(const int64_t* tables, const int64_t* seq_lens, int64_t num_seqs, int64_t width) {
+  std::vector<int64_t> starts;
+  starts.reserve(num_seqs + 1);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const bool joins = s > 0 && s - starts.back() < kQueryTile && seq_lens[s] == seq_lens[s - 1] + 1 &&
+                       tables[s * width] == tables[(s - 1) * width];
+    if (!joins) starts.push_back(s);
+  }
+  starts.push_back(num_seqs);
+  return starts;
+}
+
 template <typename T, int D>
 void attend(const T* __restrict q_all, const T* __restrict k_cache, const T* __restrict v_cache,
             const int64_t* __restrict tables, const int64_t* __restrict seq_lens, T* __restrict out,
@@ -57,67 +84,86 @@ void attend(const T* __restrict q_all, const T* __restrict k_cache, const T* __r
   const int64_t group = num_heads / num_kv_heads;
   const int64_t dim = D > 0 ? D : head_dim_rt;
   const int64_t row = num_kv_heads * dim;  // elements per slot
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * dim), acc(group * dim), kf(dim), scores(group * block_size);
-    std::vector<float> m(group), l(group);
+  const std::vector<int64_t> starts = query_tiles(tables, seq_lens, num_seqs, width);
+  const int64_t num_tiles = static_cast<int64_t>(starts.size()) - 1;
+  // One task per (tile of queries, KV head).
+  at::parallel_for(0, num_tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(kQueryTile * group * dim), acc(kQueryTile * group * dim), kf(dim), scores(group * block_size);
+    std::vector<float> m(kQueryTile * group), l(kQueryTile * group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
-      const int64_t len = seq_lens[s];
-      for (int64_t r = 0; r < group; ++r) {
-        const T* qs = q_all + (s * num_heads + g * group + r) * dim;
-        for (int64_t d = 0; d < dim; ++d) q[r * dim + d] = to_float(qs[d]) * scale;
-        m[r] = -std::numeric_limits<float>::infinity();
-        l[r] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t block = tables[s * width + b];
-        const int64_t n = std::min(block_size, len - b * block_size);
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(k_cache + (block * block_size + t) * row + g * dim, kf.data(), dim);
-          for (int64_t r = 0; r < group; ++r) {
-            const float* qr = q.data() + r * dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qr[d] * kf[d];
-            scores[r * block_size + t] = dot;
-          }
-        }
+      const int64_t s0 = starts[task / num_kv_heads], g = task % num_kv_heads;
+      const int64_t count = starts[task / num_kv_heads + 1] - s0;
+      int64_t most_blocks = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t s = s0 + i;
         for (int64_t r = 0; r < group; ++r) {
-          float* sr = scores.data() + r * block_size;
-          float block_max = sr[0];
-          for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sr[t]);
-          const float new_max = std::max(m[r], block_max);
-          const float correction = std::exp(m[r] - new_max);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            sr[t] = std::exp(sr[t] - new_max);
-            sum += sr[t];
-          }
-          l[r] = l[r] * correction + sum;
-          m[r] = new_max;
-          float* ar = acc.data() + r * dim;
-          if (correction != 1.f) {
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
-          }
+          const T* qs = q_all + (s * num_heads + g * group + r) * dim;
+          float* qi = q.data() + (i * group + r) * dim;
+          for (int64_t d = 0; d < dim; ++d) qi[d] = to_float(qs[d]) * scale;
+          m[i * group + r] = -std::numeric_limits<float>::infinity();
+          l[i * group + r] = 0.f;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(v_cache + (block * block_size + t) * row + g * dim, kf.data(), dim);
+        most_blocks = std::max(most_blocks, (seq_lens[s] + block_size - 1) / block_size);
+      }
+      std::fill(acc.begin(), acc.begin() + count * group * dim, 0.f);
+      for (int64_t b = 0; b < most_blocks; ++b) {
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t s = s0 + i, len = seq_lens[s];
+          if (b * block_size >= len) continue;  // this query's keys end before block b
+          const int64_t block = tables[s * width + b];
+          const int64_t n = std::min(block_size, len - b * block_size);
+          float* const qi = q.data() + i * group * dim;
+          float* const ai = acc.data() + i * group * dim;
+          float* const mi = m.data() + i * group;
+          float* const li = l.data() + i * group;
+          for (int64_t t = 0; t < n; ++t) {
+            load_row(k_cache + (block * block_size + t) * row + g * dim, kf.data(), dim);
+            for (int64_t r = 0; r < group; ++r) {
+              const float* qr = qi + r * dim;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < dim; ++d) dot += qr[d] * kf[d];
+              scores[r * block_size + t] = dot;
+            }
+          }
           for (int64_t r = 0; r < group; ++r) {
-            const float p = scores[r * block_size + t];
-            float* ar = acc.data() + r * dim;
+            float* sr = scores.data() + r * block_size;
+            float block_max = sr[0];
+            for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, sr[t]);
+            const float new_max = std::max(mi[r], block_max);
+            const float correction = std::exp(mi[r] - new_max);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; ++t) {
+              sr[t] = std::exp(sr[t] - new_max);
+              sum += sr[t];
+            }
+            li[r] = li[r] * correction + sum;
+            mi[r] = new_max;
+            float* ar = ai + r * dim;
+            if (correction != 1.f) {
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ar[d] += p * kf[d];
+              for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
+            }
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            load_row(v_cache + (block * block_size + t) * row + g * dim, kf.data(), dim);
+            for (int64_t r = 0; r < group; ++r) {
+              const float p = scores[r * block_size + t];
+              float* ar = ai + r * dim;
+#pragma omp simd
+              for (int64_t d = 0; d < dim; ++d) ar[d] += p * kf[d];
+            }
           }
         }
       }
-      for (int64_t r = 0; r < group; ++r) {
-        T* o = out + (s * num_heads + g * group + r) * dim;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[r * dim + d] * inv);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t r = 0; r < group; ++r) {
+          T* o = out + ((s0 + i) * num_heads + g * group + r) * dim;
+          const float inv = l[i * group + r] > 0.f ? 1.f / l[i * group + r] : 0.f;
+          const float* ar = acc.data() + (i * group + r) * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(ar[d] * inv);
+        }
       }
     }
   });
@@ -156,104 +202,126 @@ void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* _
                      int64_t num_heads, int64_t num_kv_heads, int64_t width, int64_t block_size, float scale) {
   constexpr int D = 64;
   const int64_t row = num_kv_heads * D;  // elements per slot: every KV head of one token
-  // One task per sequence, and the KV heads inside the block loop: each block's rows are read from
-  // memory once, whole and in order (blocks lie anywhere in a pool far larger than the caches, so
-  // this is what bounds the kernel), while the next block is prefetched.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> starts = query_tiles(tables, seq_lens, num_seqs, width);
+  const int64_t num_tiles = static_cast<int64_t>(starts.size()) - 1;
+  // One task per tile of queries (query_tiles), and the KV heads inside the block loop: each
+  // block's rows are read from memory once, whole and in order (blocks lie anywhere in a pool far
+  // larger than the caches, so this is what bounds the kernel), while the next block is prefetched.
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * block_size);
-    std::vector<float> q_state(num_heads * D), acc_state(num_heads * D);
-    std::vector<float> m_state(num_heads), l_state(num_heads);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t len = seq_lens[s];
-      for (int64_t h = 0; h < num_heads; ++h) {
-        for (int j = 0; j < 4; ++j) {
-          _mm512_storeu_ps(&q_state[h * D + 16 * j],
-                           _mm512_mul_ps(bf16x16_to_f32(q_all + (s * num_heads + h) * D + 16 * j), _mm512_set1_ps(scale)));
-          _mm512_storeu_ps(&acc_state[h * D + 16 * j], _mm512_setzero_ps());
+    std::vector<float> q_tile(kQueryTile * num_heads * D), acc_tile(kQueryTile * num_heads * D);
+    std::vector<float> m_tile(kQueryTile * num_heads), l_tile(kQueryTile * num_heads);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s0 = starts[task], count = starts[task + 1] - s0;
+      int64_t most_blocks = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t s = s0 + i;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          for (int j = 0; j < 4; ++j) {
+            _mm512_storeu_ps(&q_tile[(i * num_heads + h) * D + 16 * j],
+                             _mm512_mul_ps(bf16x16_to_f32(q_all + (s * num_heads + h) * D + 16 * j), _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(&acc_tile[(i * num_heads + h) * D + 16 * j], _mm512_setzero_ps());
+          }
+          m_tile[i * num_heads + h] = -std::numeric_limits<float>::infinity();
+          l_tile[i * num_heads + h] = 0.f;
         }
-        m_state[h] = -std::numeric_limits<float>::infinity();
-        l_state[h] = 0.f;
+        most_blocks = std::max(most_blocks, (seq_lens[s] + block_size - 1) / block_size);
       }
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t block = tables[s * width + b];
-        const int64_t n = std::min(block_size, len - b * block_size);
-        if (b + 1 < num_blocks) {
-          const char* nk = reinterpret_cast<const char*>(k_cache + tables[s * width + b + 1] * block_size * row);
-          const char* nv = reinterpret_cast<const char*>(v_cache + tables[s * width + b + 1] * block_size * row);
-          for (int64_t off = 0; off < block_size * row * 2; off += 64) {
-            _mm_prefetch(nk + off, _MM_HINT_T0);
-            _mm_prefetch(nv + off, _MM_HINT_T0);
-          }
-        }
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-          __m512 q[G][4], acc[G][4];
-          for (int r = 0; r < G; ++r)
-            for (int j = 0; j < 4; ++j) {
-              q[r][j] = _mm512_loadu_ps(&q_state[(g * G + r) * D + 16 * j]);
-              acc[r][j] = _mm512_loadu_ps(&acc_state[(g * G + r) * D + 16 * j]);
+      for (int64_t b = 0; b < most_blocks; ++b) {
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t s = s0 + i, len = seq_lens[s];
+          if (b * block_size >= len) continue;  // this query's keys end before block b
+          const int64_t num_blocks = (len + block_size - 1) / block_size;
+          float* const q_state = q_tile.data() + i * num_heads * D;
+          float* const acc_state = acc_tile.data() + i * num_heads * D;
+          float* const m_state = m_tile.data() + i * num_heads;
+          float* const l_state = l_tile.data() + i * num_heads;
+          const int64_t block = tables[s * width + b];
+          const int64_t n = std::min(block_size, len - b * block_size);
+          // The next block, unless the query before in the tile has just asked for the same one.
+          const bool prefetch = b + 1 < num_blocks &&
+              (i == 0 || seq_lens[s - 1] <= (b + 1) * block_size || tables[(s - 1) * width + b + 1] != tables[s * width + b + 1]);
+          if (prefetch) {
+            const char* nk = reinterpret_cast<const char*>(k_cache + tables[s * width + b + 1] * block_size * row);
+            const char* nv = reinterpret_cast<const char*>(v_cache + tables[s * width + b + 1] * block_size * row);
+            for (int64_t off = 0; off < block_size * row * 2; off += 64) {
+              _mm_prefetch(nk + off, _MM_HINT_T0);
+              _mm_prefetch(nv + off, _MM_HINT_T0);
             }
-          const at::BFloat16* kb = k_cache + block * block_size * row + g * D;
-          for (int64_t t = 0; t < n; ++t) {
-            const at::BFloat16* kp = kb + t * row;
-            const __m512 k0 = bf16x16_to_f32(kp), k1 = bf16x16_to_f32(kp + 16), k2 = bf16x16_to_f32(kp + 32),
-                         k3 = bf16x16_to_f32(kp + 48);
+          }
+          for (int64_t g = 0; g < num_kv_heads; ++g) {
+            __m512 q[G][4], acc[G][4];
+            for (int r = 0; r < G; ++r)
+              for (int j = 0; j < 4; ++j) {
+                q[r][j] = _mm512_loadu_ps(&q_state[(g * G + r) * D + 16 * j]);
+                acc[r][j] = _mm512_loadu_ps(&acc_state[(g * G + r) * D + 16 * j]);
+              }
+            const at::BFloat16* kb = k_cache + block * block_size * row + g * D;
+            for (int64_t t = 0; t < n; ++t) {
+              const at::BFloat16* kp = kb + t * row;
+              const __m512 k0 = bf16x16_to_f32(kp), k1 = bf16x16_to_f32(kp + 16), k2 = bf16x16_to_f32(kp + 32),
+                           k3 = bf16x16_to_f32(kp + 48);
+              for (int r = 0; r < G; ++r) {
+                __m512 d = _mm512_mul_ps(q[r][0], k0);
+                d = _mm512_fmadd_ps(q[r][1], k1, d);
+                d = _mm512_fmadd_ps(q[r][2], k2, d);
+                d = _mm512_fmadd_ps(q[r][3], k3, d);
+                scores[r * block_size + t] = _mm512_reduce_add_ps(d);
+              }
+            }
             for (int r = 0; r < G; ++r) {
-              __m512 d = _mm512_mul_ps(q[r][0], k0);
-              d = _mm512_fmadd_ps(q[r][1], k1, d);
-              d = _mm512_fmadd_ps(q[r][2], k2, d);
-              d = _mm512_fmadd_ps(q[r][3], k3, d);
-              scores[r * block_size + t] = _mm512_reduce_add_ps(d);
+              const int64_t h = g * G + r;
+              float* sr = scores.data() + r * block_size;
+              float block_max = -std::numeric_limits<float>::infinity();
+              for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+                const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
+                block_max = std::max(block_max, _mm512_reduce_max_ps(v));
+              }
+              const float new_max = std::max(m_state[h], block_max);
+              const float correction = std::exp(m_state[h] - new_max);
+              float sum = 0.f;
+              for (int64_t t0 = 0; t0 < n; t0 += 16) {
+                const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+                const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
+                _mm512_mask_storeu_ps(sr + t0, live, e);
+                sum += _mm512_mask_reduce_add_ps(live, e);
+              }
+              l_state[h] = l_state[h] * correction + sum;
+              m_state[h] = new_max;
+              if (correction != 1.f) {
+                const __m512 c = _mm512_set1_ps(correction);
+                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
+              }
             }
+            const at::BFloat16* vb = v_cache + block * block_size * row + g * D;
+            for (int64_t t = 0; t < n; ++t) {
+              const at::BFloat16* vp = vb + t * row;
+              const __m512 v0 = bf16x16_to_f32(vp), v1 = bf16x16_to_f32(vp + 16), v2 = bf16x16_to_f32(vp + 32),
+                           v3 = bf16x16_to_f32(vp + 48);
+              for (int r = 0; r < G; ++r) {
+                const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
+                acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+                acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+              }
+            }
+            for (int r = 0; r < G; ++r)
+              for (int j = 0; j < 4; ++j) _mm512_storeu_ps(&acc_state[(g * G + r) * D + 16 * j], acc[r][j]);
           }
-          for (int r = 0; r < G; ++r) {
-            const int64_t h = g * G + r;
-            float* sr = scores.data() + r * block_size;
-            float block_max = -std::numeric_limits<float>::infinity();
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {
-              const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-              const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
-              block_max = std::max(block_max, _mm512_reduce_max_ps(v));
-            }
-            const float new_max = std::max(m_state[h], block_max);
-            const float correction = std::exp(m_state[h] - new_max);
-            float sum = 0.f;
-            for (int64_t t0 = 0; t0 < n; t0 += 16) {
-              const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-              const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
-              _mm512_mask_storeu_ps(sr + t0, live, e);
-              sum += _mm512_mask_reduce_add_ps(live, e);
-            }
-            l_state[h] = l_state[h] * correction + sum;
-            m_state[h] = new_max;
-            if (correction != 1.f) {
-              const __m512 c = _mm512_set1_ps(correction);
-              for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
-            }
-          }
-          const at::BFloat16* vb = v_cache + block * block_size * row + g * D;
-          for (int64_t t = 0; t < n; ++t) {
-            const at::BFloat16* vp = vb + t * row;
-            const __m512 v0 = bf16x16_to_f32(vp), v1 = bf16x16_to_f32(vp + 16), v2 = bf16x16_to_f32(vp + 32),
-                         v3 = bf16x16_to_f32(vp + 48);
-            for (int r = 0; r < G; ++r) {
-              const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
-              acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-              acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-              acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
-              acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
-            }
-          }
-          for (int r = 0; r < G; ++r)
-            for (int j = 0; j < 4; ++j) _mm512_storeu_ps(&acc_state[(g * G + r) * D + 16 * j], acc[r][j]);
         }
       }
-      for (int64_t h = 0; h < num_heads; ++h) {
-        at::BFloat16* o = out + (s * num_heads + h) * D;
-        const __m512 inv = _mm512_set1_ps(l_state[h] > 0.f ? 1.f / l_state[h] : 0.f);
-        alignas(64) float tmp[D];
-        for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(&acc_state[h * D + 16 * j]), inv));
-        for (int d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          at::BFloat16* o = out + ((s0 + i) * num_heads + h) * D;
+          const float l = l_tile[i * num_heads + h];
+          const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+          alignas(64) float tmp[D];
+          for (int j = 0; j < 4; ++j)
+            _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(&acc_tile[(i * num_heads + h) * D + 16 * j]), inv));
+          for (int d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
+        }
       }
     }
   });

@@ -104,6 +104,43 @@ def test_decode_attention_matches_sdpa_and_writes_the_cache(dtype, tolerance, di
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 48), (8, 1, 128)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_query_gets_the_same_bits_alone_and_among_a_chunks_tokens(dtype, heads, kv_heads, dim, threads):
+    """The engine runs a prefill chunk's tokens as decode queries, and the kernel walks a tile of
+    queries through the blocks together. A token's result must not depend on its tile: the tokens
+    of a 45-token chunk after 37 cached ones (two sequences, beside two decodes), computed in one
+    call, give the very bits each gets in a call of its own, the way a chunk of one token or a
+    decode would."""
+    g = torch.Generator().manual_seed(dim)
+    block_size, num_blocks = 16, 64
+    key_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    value_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
+    chunk = [(0, 37 + j + 1) for j in range(45)] + [(1, 60)] + [(2, 5 + j + 1) for j in range(30)] + [(3, 100)]
+    tables_of = torch.randperm(num_blocks, generator=g)[:28].view(4, 7)
+    rows = torch.tensor([r for r, _ in chunk])
+    lens = torch.tensor([n for _, n in chunk])
+    tables = tables_of[rows]
+    query = torch.randn(len(chunk), heads, dim, generator=g).to(dtype)
+    empty = query.new_empty(0, kv_heads, dim)
+    no_slots = torch.empty(0, dtype=torch.long)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def attend(q, t, n):
+            return torch.ops.carpool_cpu.decode_attention(q, empty, empty, key_cache, value_cache, no_slots, t, n, block_size, 0.125)
+
+        together = attend(query, tables, lens)
+        for i in range(len(chunk)):
+            alone = attend(query[i : i + 1], tables[i : i + 1], lens[i : i + 1])
+            assert torch.equal(together[i : i + 1], alone), i
+        assert torch.equal(attend(query[40:], tables[40:], lens[40:]), together[40:])  # another tiling
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
 @needs_bf16_packing
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40, 300])
 @pytest.mark.parametrize("shape", [(576, 1536), (575, 1537), (64, 100)])

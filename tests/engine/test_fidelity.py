@@ -219,6 +219,46 @@ def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant
     assert_idle(engine)
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU backend's kernel; CUDA's attention kernels differ with the split")
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_prompts_bits_do_not_depend_on_its_chunks_or_a_cached_prefix(tiny_model_factory, dtype, compile_):
+    """A prompt's attention is the same bits however it is split into chunks (the token budget,
+    shared with other prefills, decides that) and whatever prefix of it was cached: every prompt
+    token is a query of Carpool's decode kernel, whatever its chunk. So a request's greedy tokens
+    and logprobs are the very same prefilled whole and alone, in chunks of 42 tokens, in chunks
+    beside 4 other prompts, and again from the prefix cache. Prefill chunks on SDPA gave other bits
+    with other chunk lengths; in bf16, 4 of these 5 tiny-Qwen2 prompts then got other tokens."""
+    from replica import cpu_kernels
+
+    if not cpu_kernels.load():
+        pytest.skip("Carpool's CPU kernels are not built: prefill chunks take SDPA")
+    path = tiny_model_factory("qwen2")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (69, 86, 108, 173, 240)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def outputs(done) -> list:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in done]
+
+    common = dict(model=path, dtype=dtype, **ON_TEST_DEVICE, compile=compile_, max_num_seqs=5, max_model_len=320)
+    whole = LLM(**common, max_num_batched_tokens=512, enable_prefix_caching=False)
+    alone = [outputs(whole.generate(prompt_token_ids=[p], sampling_params=params))[0] for p in prompts]
+    assert_idle(whole.engine)
+    del whole
+    chunked = LLM(**common, max_num_batched_tokens=42, enable_prefix_caching=True)
+    hits = chunked.engine.stats().prefix_cache_hits
+    for i, p in enumerate(prompts):
+        assert outputs(chunked.generate(prompt_token_ids=[p], sampling_params=params))[0] == alone[i], i
+    assert chunked.engine.stats().prefix_cache_hits == hits  # distinct prompts: each was prefilled
+    chunked.engine.scheduler.block_manager.reset_prefix_cache()
+    assert outputs(chunked.generate(prompt_token_ids=prompts, sampling_params=params)) == alone  # chunks beside others
+    assert chunked.engine.stats().prefix_cache_hits == hits
+    assert outputs(chunked.generate(prompt_token_ids=prompts, sampling_params=params)) == alone  # from the cache
+    assert chunked.engine.stats().prefix_cache_hits > hits
+    assert_idle(chunked.engine)
+
+
 def test_seeded_sampling_independent_of_batch_mates(tiny_llama, variant):
     """Same seed + prompt → same samples, whatever else is in the batch; other seeds differ."""
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=16, **variant)

@@ -72,17 +72,20 @@ def test_padded_steps_bound_the_attention_shapes(tiny_llama, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("chunks", ["as-decode-queries", "on-sdpa"])
-def test_compiled_engine_never_recompiles_after_its_warm_up(tiny_llama, dtype, chunks):
+def test_compiled_engine_never_recompiles_after_its_warm_up(tiny_llama, dtype, chunks, monkeypatch):
     """The warm-up compiles every graph a step needs: single decodes, batched decodes, mixed steps,
     chunked prefills and preemption then run without compiling again (a compile mid-serving costs
-    seconds: a served request once waited 30 s for one). On CPU, small prefill chunks keep a step
-    in the decode graph; with that off (``on-sdpa``) they take the other graph."""
+    seconds: a served request once waited 30 s for one). On CPU, prefill chunks keep a step in the
+    decode graph; with that off (``on-sdpa``, as without Carpool's kernel) they take the other
+    graph, which the warm-up then compiles too."""
     import torch._dynamo
 
+    import replica.attention_backends
+
+    if chunks == "on-sdpa":
+        monkeypatch.setattr(replica.attention_backends, "INLINE_CHUNK_PAIRS", 0)
     llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, max_num_seqs=3, max_num_batched_tokens=24,
               block_size=4, num_blocks=24, max_model_len=96)
-    if chunks == "on-sdpa":
-        llm.engine.runner.backend.inline_chunk_pairs = 0
     prompts = [[(5 + 7 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate([1, 3, 30, 9, 50, 2])]
     params = [greedy(max_tokens=m, ignore_eos=True) for m in (12, 1, 20, 30, 5, 40)]
     with torch._dynamo.config.patch(error_on_recompile=True):
