@@ -98,6 +98,27 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` now (an unknown host, a port in use), or None.
+
+    Binds a socket with ``SO_REUSEADDR``, as Serve's servers do, so connections of a server that
+    just stopped (TIME_WAIT) do not count, and a server listening there does.
+    """
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        return f"host: {host!r} is not an address of this machine ({exc.strerror})"
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return f"port: {host}:{port} cannot be listened on ({exc.strerror}); stop what holds it or pick another --port"
+    return None
+
+
 def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
     """Start a local Ray cluster (``address=None``) or join ``config.address``; no-op if connected.
 

@@ -129,7 +129,7 @@ def serve(
     direct_ingress: Optional[bool] = typer.Option(None, "--direct-ingress/--no-direct-ingress", help="With a local cluster and one ingress replica, the ingress serves HTTP on --port itself, skipping Serve's proxy (default: on)."),
     prefix_aware_routing: Optional[bool] = typer.Option(None, "--prefix-aware-routing/--no-prefix-aware-routing", help="Send a prompt to the free-seat replica most likely to hold its prefix in its KV cache (default: on; off: load alone)."),
     tool_call_parser: Optional[str] = typer.Option(None, help="Format of tool calls with tool_choice auto: auto or hermes (<tool_call> blocks) (default: auto)."),
-    tool_chat_template: Optional[Path] = typer.Option(None, help="Jinja chat template for chats with tools (default: the model's own if it renders tools, else Carpool's ChatML one)."),
+    tool_chat_template: Optional[Path] = typer.Option(None, exists=True, dir_okay=False, readable=True, help="Jinja chat template for chats with tools (default: the model's own if it renders tools, else Carpool's ChatML one)."),
     max_waiting_requests: Optional[int] = typer.Option(None, help="Requests a replica holds beyond its seats; past it: 429 with Retry-After (default: 256)."),
     max_ongoing_requests: Optional[int] = typer.Option(None, help="Serve's cap of requests in flight to one replica (default: 1024; must exceed seats + max waiting)."),
     max_n: Optional[int] = typer.Option(None, help="Largest n (choices per request) (default: 16)."),
@@ -179,6 +179,10 @@ def serve(
         _fail("invalid settings:\n" + format_validation_error(exc))
     except ValueError as exc:
         _fail(str(exc))
+    from cluster.app import listen_problem
+
+    if not cfg.address and (problem := listen_problem(cfg.host, cfg.port)):
+        _fail(problem)  # before Ray starts: Serve would fail half a minute later, in a wall of tracebacks
     serve_forever(cfg)
 
 

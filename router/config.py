@@ -22,7 +22,7 @@ class IngressConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     served_model_name: str | None = Field(
-        None, description="The model id the API reports and accepts; default the engine's model."
+        None, min_length=1, description="The model id the API reports and accepts; default the engine's model."
     )
     api_key: str | None = Field(
         None,

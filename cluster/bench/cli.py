@@ -16,7 +16,7 @@ from replica.logs import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline); prefix caching on vs off (prefix); load on a live server (serve).",
+    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,24 @@ def test_bad_settings_are_reported_by_field_before_anything_starts(tmp_path):
     assert result.returncode == 2 and "not valid JSON" in result.stderr
     result = run_cli("serve", "--config", str(tmp_path / "missing.yaml"))
     assert result.returncode == 2 and "cannot read config file" in result.stderr
+    result = run_cli("serve", "--tool-chat-template", str(tmp_path / "missing.jinja"))
+    assert result.returncode == 2 and "--tool-chat-template" in result.stderr and "does not exist" in result.stderr
+    result = run_cli("serve", "--served-model-name", "")
+    assert result.returncode == 2 and "served_model_name" in result.stderr
+
+
+def test_a_port_in_use_or_an_unknown_host_is_refused_before_ray_starts():
+    """Serve would fail half a minute later, in some 200 lines of tracebacks that name the port
+    only in passing."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_cli("serve", "--port", str(port))
+    assert result.returncode == 2, result.stderr
+    assert f"127.0.0.1:{port} cannot be listened on" in result.stderr and "starting" not in result.stderr
+    result = run_cli("serve", "--host", "no-such-host.invalid")
+    assert result.returncode == 2 and "host: 'no-such-host.invalid' is not an address" in result.stderr
 
 
 def test_carpool_serve_with_config_file_and_api_key(tmp_path):
