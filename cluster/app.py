@@ -99,23 +99,31 @@ def free_port(host: str) -> int:
 
 
 def listen_problem(host: str, port: int) -> str | None:
-    """Why a server cannot listen on ``host:port`` now (an unknown host, a port in use), or None.
+    """Why a server cannot listen on ``host:port`` now (a host that does not resolve or is not
+    this machine's, a port in use or not allowed), or None.
 
-    Binds a socket with ``SO_REUSEADDR``, as Serve's servers do, so connections of a server that
-    just stopped (TIME_WAIT) do not count, and a server listening there does.
+    Binds a socket the way uvicorn (Serve's HTTP server) does: IPv6 where the host has a ``:``,
+    else IPv4; ``""`` is every interface. ``SO_REUSEADDR`` is set, as Serve sets it, so connections
+    of a server that just stopped (TIME_WAIT) do not count, and a server listening there does.
     """
+    import errno
     import socket
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        address = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
     except socket.gaierror as exc:
-        return f"host: {host!r} is not an address of this machine ({exc.strerror})"
-    with socket.socket(family, kind, proto) as s:
+        return f"host: {host!r} cannot be resolved ({exc.strerror})"
+    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host or '0.0.0.0'}:{port}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(address)
         except OSError as exc:
-            return f"port: {host}:{port} cannot be listened on ({exc.strerror}); stop what holds it or pick another --port"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"host: {host!r} is not an address of this machine ({exc.strerror})"
+            hint = "; stop what holds it or pick another --port" if exc.errno == errno.EADDRINUSE else ""
+            return f"port: {shown} cannot be listened on ({exc.strerror}){hint}"
     return None
 
 

@@ -16,7 +16,7 @@ reads: the model runner runs the forward inside :func:`running_step`, which tell
 thread) whose step it is, so two engines in one process never see each other's steps. The layer's
 K/V cache tensors are attributes of its attention module (``carpool_key_cache``,
 ``carpool_value_cache``), so that one compiled layer serves every layer. A step whose tokens all
-attend as decode queries (decodes, and the tokens of small prefill chunks) may instead pass a
+attend as decode queries (decodes, and the tokens of prefill chunks) may instead pass a
 :class:`DecodeStep` to the model call, and then attention is traced into the compiled layer.
 
 This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). Backends are in
@@ -121,7 +121,7 @@ class AttentionBackend:
 @dataclass
 class DecodeStep:
     """A step whose every token attends as one decode query (a sequence's next token, or a token
-    of a small prefill chunk that sees its sequence up to itself: ``StepSequences.decode_queries``;
+    of a prefill chunk that sees its sequence up to itself: ``StepSequences.decode_queries``;
     padding tokens as sequences of one token that read and write the spare slot): attention is
     then traced into the compiled layer (:func:`replica.attention_backends.decode_attention`)
     instead of going through the opaque op, which saves the op's Python work and a compiled call

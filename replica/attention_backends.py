@@ -49,7 +49,7 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, block_size: 
 # kernel gives each query the same bits however its prompt was split into chunks and whatever
 # prefix was cached, where SDPA's result for a token depends on its chunk's query and key lengths
 # (in bf16, enough to change greedy tokens). Its cost on long prompts: docs/bench/cpu-speed.md,
-# "Prefill chunks on the decode kernel". Tests set 0 to send every chunk to SDPA.
+# "Every prefill chunk on the decode kernel". Tests set 0 to send every chunk to SDPA.
 INLINE_CHUNK_PAIRS = np.iinfo(np.int64).max
 
 
@@ -91,7 +91,8 @@ class ReferenceBackend(AttentionBackend):
 
 
 class CpuBackend(AttentionBackend):
-    """Decodes in one compiled kernel call, prefill chunks in one padded SDPA call (module docstring).
+    """Every token as a decode query of Carpool's kernel; without it, decodes on a compiled
+    formulation and prefill chunks in one padded SDPA call (module docstring).
 
     Args:
         compiled: where Carpool's C++ kernel (:mod:`replica.cpu_kernels`) cannot be built, compile

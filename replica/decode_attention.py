@@ -1,4 +1,4 @@
-"""Decode attention (one query token per sequence, or per token of a small prefill chunk, each seeing
+"""Decode attention (one query token per sequence, or per token of a prefill chunk, each seeing
 its sequence up to itself) read through block tables, for the decode-like steps whose attention is
 traced into the compiled decoder layers (``replica.attention.DecodeStep``) and for the CPU
 backend's fallback.

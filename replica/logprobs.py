@@ -19,7 +19,9 @@ ROWS_PER_SLICE = 256
 # Every row's alternatives come from one ``topk`` of this many, whatever its ``k``: torch orders
 # tied values differently for different ``k`` (topk(1) and topk(20)[:1] can name different tokens
 # of equal logprob), so a ``k`` taken from the step's largest request made a row's list depend on
-# its batch mates.
+# its batch mates. On CPU that settles it (torch picks its algorithm from k and the vocabulary);
+# CUDA's topk also looks at the number of rows, so there tied alternatives may still come out in
+# another order in another batch.
 TOP_K = SamplingParams.MAX_LOGPROBS
 
 

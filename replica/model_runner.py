@@ -10,8 +10,8 @@ Fast paths (:mod:`replica.compilation`): on CPU, linear layers use prepacked wei
 Carpool's kernel), bfloat16/float16 steps are padded to a few token counts
 (:func:`replica.shapes.padded_size`), and float32 steps to 4 rows at least where Carpool's
 kernel is not built (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the decoder under
-torch.compile, ``compile=False`` eagerly. Compiled on CPU, a step of decodes and small prefill
-chunks runs its attention as one decode query per token inside the graph
+torch.compile, ``compile=False`` eagerly. Compiled on CPU with Carpool's kernel, every step
+(decodes and prefill chunks) runs its attention as one decode query per token inside the graph
 (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
 """
 
@@ -279,7 +279,7 @@ class ModelRunner:
             if logits is not None:
                 return self._sample(out, inputs, logits)
         with record_function("carpool.prepare_inputs"):
-            # Small prefill chunks run as one decode query per token (decode_arrays): the step
+            # Prefill chunks run as one decode query per token (decode_arrays): the step
             # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
             # of the opaque op's gather, padding and SDPA per layer.
             decode_only = self.compiled and self.backend.inline_decode and (

@@ -67,7 +67,9 @@ def test_a_port_in_use_or_an_unknown_host_is_refused_before_ray_starts():
     assert result.returncode == 2, result.stderr
     assert f"127.0.0.1:{port} cannot be listened on" in result.stderr and "starting" not in result.stderr
     result = run_cli("serve", "--host", "no-such-host.invalid")
-    assert result.returncode == 2 and "host: 'no-such-host.invalid' is not an address" in result.stderr
+    assert result.returncode == 2 and "host: 'no-such-host.invalid' cannot be resolved" in result.stderr
+    result = run_cli("serve", "--host", "192.0.2.1")  # TEST-NET-1: resolves, is no address of this machine
+    assert result.returncode == 2 and "host: '192.0.2.1' is not an address of this machine" in result.stderr
 
 
 def test_carpool_serve_with_config_file_and_api_key(tmp_path):

@@ -104,6 +104,18 @@ def test_decode_attention_matches_sdpa_and_writes_the_cache(dtype, tolerance, di
 
 
 @needs_kernels
+def test_decode_attention_refuses_lengths_past_the_block_tables():
+    """A length longer than its table would read past it (the warm-up once built such steps)."""
+    query, key, value, key_cache, value_cache, slots, tables, lens, block_size = _decode_case(torch.float32)
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * block_size + 1
+    with pytest.raises(RuntimeError, match="a length past its block table"):
+        torch.ops.carpool_cpu.decode_attention(query, key, value, key_cache, value_cache, slots, tables, too_long, block_size, 0.125)
+    with pytest.raises(RuntimeError, match="one block table row and one length per query"):
+        torch.ops.carpool_cpu.decode_attention(query, key, value, key_cache, value_cache, slots, tables[1:], lens, block_size, 0.125)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 48), (8, 1, 128)])
 @pytest.mark.parametrize("threads", [1, 2])

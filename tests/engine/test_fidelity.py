@@ -123,7 +123,7 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
 @pytest.mark.parametrize("compile_", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_small_prefill_chunks_as_decode_queries_match_sdpa(tiny_model_factory, family, compile_):
-    """The CPU backend runs a small prefill chunk as one decode query per token
+    """The CPU backend runs a prefill chunk as one decode query per token
     (``StepSequences.decode_queries``; compiled, a step of such chunks and decodes stays in the
     decode graph); with that turned off every chunk goes through the padded SDPA call. Both give
     transformers' tokens, and each path really ran (the decode graph never asks the backend to
@@ -227,8 +227,8 @@ def test_a_prompts_bits_do_not_depend_on_its_chunks_or_a_cached_prefix(tiny_mode
     shared with other prefills, decides that) and whatever prefix of it was cached: every prompt
     token is a query of Carpool's decode kernel, whatever its chunk. So a request's greedy tokens
     and logprobs are the very same prefilled whole and alone, in chunks of 42 tokens, in chunks
-    beside 4 other prompts, and again from the prefix cache. Prefill chunks on SDPA gave other bits
-    with other chunk lengths; in bf16, 4 of these 5 tiny-Qwen2 prompts then got other tokens."""
+    beside 4 other prompts, and again from the prefix cache. Prefill chunks on SDPA (the rule
+    before) gave other bits with other chunk lengths, and this test failed in both dtypes."""
     from replica import cpu_kernels
 
     if not cpu_kernels.load():
