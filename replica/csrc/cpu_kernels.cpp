@@ -369,9 +369,10 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   const int64_t num_seqs = q.size(0);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.dim() == 1 && lens.size(0) == num_seqs,
               "decode_attention: one block table row and one length per query");
-  TORCH_CHECK(num_seqs == 0 || (lens.min().item<int64_t>() >= 0 &&
-                                lens.max().item<int64_t>() <= tables.size(1) * block_size),
-              "decode_attention: a length past its block table (", tables.size(1), " blocks of ", block_size, ")");
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s)  // a longer one would read past its table
+    TORCH_CHECK(len_data[s] >= 0 && len_data[s] <= tables.size(1) * block_size, "decode_attention: a length past its block table (",
+                len_data[s], " keys, ", tables.size(1), " blocks of ", block_size, ")");
   auto out = at::empty_like(q);
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_dim<float>(q, key_cache, value_cache, tables, lens, out, block_size, scale); break;
