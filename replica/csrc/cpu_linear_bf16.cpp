@@ -22,9 +22,9 @@ namespace {
 // rows x 16 outputs over the whole of K; rows are taken 16 at a time under each group of 16 outputs,
 // so the group's packed weight is read from memory once and reused from L1/L2 for every row block.
 // Each output is the sum over k in ascending pairs, accumulated in float32 and rounded to bf16
-// once, whatever the number of rows: a row's result does not depend on its batch mates. (Attention
-// is another matter: a prompt token's can differ in its last bits between a whole prefill and a
-// chunked one.) oneDNN's GEMM does not promise that: above 8 rows (where this kernel used to hand over to it), about one output in
+// once, whatever the number of rows: a row's result does not depend on its batch mates (the decode
+// attention kernel, cpu_kernels.cpp, keeps the same promise for a prompt's chunks). oneDNN's GEMM
+// does not promise that: above 8 rows (where this kernel used to hand over to it), about one output in
 // 10,000 of SmolLM2's MLP down projection (K = 1,536) came out one bf16 step away from the same row
 // computed alone.
 // Measured on the 2-core AMD EPYC machine (Zen 4), one thread: the 7 linears of a SmolLM2 layer,
