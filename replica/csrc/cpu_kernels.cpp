@@ -195,6 +195,120 @@ inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// The sums of 16 vectors' lanes, lane t of the result for vector t (part holds them one after the
+// other, 16 floats each). Four rounds of pairwise adds replace the 16 horizontal reductions that
+// each cost four shuffles and four adds: round 1 adds each vector's upper 256 bits to its lower,
+// round 2 its two remaining 128-bit quarters, rounds 3 and 4 the floats within a quarter. A
+// vector's sum is the same tree of its own lanes whatever the other 15 hold, so a key's score does
+// not depend on its neighbours or on how many keys a block has.
+inline __m512 sum_lanes16(const float* part) {
+  __m512 u[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k) {
+    const __m512 a = _mm512_loadu_ps(part + 32 * k), b = _mm512_loadu_ps(part + 32 * k + 16);
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // u[k]'s quarters: vector 2k's two half-sums, then vector 2k+1's.
+  for (int k = 0; k < 4; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // w[k]'s quarter j: four floats that sum to vector 4k+j.
+  for (int k = 0; k < 2; ++k)
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // x[k]'s quarter j: two floats of vector 8k+j, then two of vector 8k+4+j.
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // y's float 4j+c is the sum of vector 4c+j.
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
+}
+
+// Row t of one KV head of a block (64 values) as four zmm of float32: from the cache's bf16
+// (Converted = false; stride: elements from one row to the next) or from a float32 copy of the
+// block (Converted = true, rows of 64). bf16 -> f32 is exact, so both give the same values.
+template <bool Converted>
+inline void row64(const void* base, int64_t stride, int64_t t, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
+  if constexpr (Converted) {
+    const float* p = static_cast<const float*>(base) + t * 64;
+    r0 = _mm512_loadu_ps(p), r1 = _mm512_loadu_ps(p + 16), r2 = _mm512_loadu_ps(p + 32), r3 = _mm512_loadu_ps(p + 48);
+  } else {
+    const at::BFloat16* p = static_cast<const at::BFloat16*>(base) + t * stride;
+    r0 = bf16x16_to_f32(p), r1 = bf16x16_to_f32(p + 16), r2 = bf16x16_to_f32(p + 32), r3 = bf16x16_to_f32(p + 48);
+  }
+}
+
+// One query's G heads (of one KV head) through n keys of one block: scores (16 keys at a time,
+// each key's 16 lane products of q.k, then their sums), the block's max, one rescale of the
+// running sum l and output acc, then the weighted values. q_state, acc_state: [G, 64] float32;
+// m_state, l_state: [G]; scores: [G, block_size] and part: [G, 16, 16] scratch.
+template <int G, bool Converted>
+inline void attend_block(const float* q_state, float* acc_state, float* m_state, float* l_state, const void* keys,
+                         const void* values, int64_t stride, int64_t n, int64_t block_size, float* scores, float* part) {
+  __m512 q[G][4];
+  for (int r = 0; r < G; ++r)
+    for (int j = 0; j < 4; ++j) q[r][j] = _mm512_loadu_ps(q_state + r * 64 + 16 * j);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t live_keys = std::min<int64_t>(16, n - t0);
+    for (int64_t t = 0; t < live_keys; ++t) {
+      __m512 k0, k1, k2, k3;
+      row64<Converted>(keys, stride, t0 + t, k0, k1, k2, k3);
+      for (int r = 0; r < G; ++r) {
+        __m512 d = _mm512_mul_ps(q[r][0], k0);
+        d = _mm512_fmadd_ps(q[r][1], k1, d);
+        d = _mm512_fmadd_ps(q[r][2], k2, d);
+        d = _mm512_fmadd_ps(q[r][3], k3, d);
+        _mm512_storeu_ps(part + (r * 16 + t) * 16, d);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << live_keys) - 1);
+    for (int r = 0; r < G; ++r) {
+      for (int64_t t = live_keys; t < 16; ++t) _mm512_storeu_ps(part + (r * 16 + t) * 16, _mm512_setzero_ps());
+      _mm512_mask_storeu_ps(scores + r * block_size + t0, live, sum_lanes16(part + r * 256));
+    }
+  }
+  float correction[G];
+  for (int r = 0; r < G; ++r) {
+    float* sr = scores + r * block_size;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
+      block_max = std::max(block_max, _mm512_reduce_max_ps(v));
+    }
+    const float new_max = std::max(m_state[r], block_max);
+    correction[r] = std::exp(m_state[r] - new_max);
+    float sum = 0.f;
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
+      _mm512_mask_storeu_ps(sr + t0, live, e);
+      sum += _mm512_mask_reduce_add_ps(live, e);
+    }
+    l_state[r] = l_state[r] * correction[r] + sum;
+    m_state[r] = new_max;
+  }
+  __m512 acc[G][4];
+  for (int r = 0; r < G; ++r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = _mm512_loadu_ps(acc_state + r * 64 + 16 * j);
+      if (correction[r] != 1.f) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v0, v1, v2, v3;
+    row64<Converted>(values, stride, t, v0, v1, v2, v3);
+    for (int r = 0; r < G; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
+      acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < G; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_state + r * 64 + 16 * j, acc[r][j]);
+}
+
 template <int G>
 void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* __restrict k_cache,
                      const at::BFloat16* __restrict v_cache, const int64_t* __restrict tables,
@@ -204,16 +318,19 @@ void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* _
   const int64_t row = num_kv_heads * D;  // elements per slot: every KV head of one token
   const std::vector<int64_t> starts = query_tiles(tables, seq_lens, num_seqs, width);
   const int64_t num_tiles = static_cast<int64_t>(starts.size()) - 1;
-  // One task per tile of queries (query_tiles), and the KV heads inside the block loop: each
-  // block's rows are read from memory once, whole and in order (blocks lie anywhere in a pool far
-  // larger than the caches, so this is what bounds the kernel), while the next block is prefetched.
+  // One task per tile of queries (query_tiles). A tile walks its blocks in order, prefetching the
+  // next one (blocks lie anywhere in a pool far larger than the caches, so memory bounds a decode).
+  // At each block and KV head, a tile of more than one query converts the block's K and V rows to
+  // float32 once for all its queries; a decode converts each row as it reads it. Either way every
+  // query runs attend_block on the same values, so its bits do not depend on its tile.
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * block_size);
+    std::vector<float> scores(G * block_size), part(G * 16 * 16);
+    std::vector<float> k_f32(block_size * D), v_f32(block_size * D);
     std::vector<float> q_tile(kQueryTile * num_heads * D), acc_tile(kQueryTile * num_heads * D);
     std::vector<float> m_tile(kQueryTile * num_heads), l_tile(kQueryTile * num_heads);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s0 = starts[task], count = starts[task + 1] - s0;
-      int64_t most_blocks = 0;
+      const int64_t last = s0 + count - 1;  // the tile's longest query: the others end before it
       for (int64_t i = 0; i < count; ++i) {
         const int64_t s = s0 + i;
         for (int64_t h = 0; h < num_heads; ++h) {
@@ -225,90 +342,44 @@ void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* _
           m_tile[i * num_heads + h] = -std::numeric_limits<float>::infinity();
           l_tile[i * num_heads + h] = 0.f;
         }
-        most_blocks = std::max(most_blocks, (seq_lens[s] + block_size - 1) / block_size);
       }
+      const int64_t most_blocks = (seq_lens[last] + block_size - 1) / block_size;
       for (int64_t b = 0; b < most_blocks; ++b) {
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t s = s0 + i, len = seq_lens[s];
-          if (b * block_size >= len) continue;  // this query's keys end before block b
-          const int64_t num_blocks = (len + block_size - 1) / block_size;
-          float* const q_state = q_tile.data() + i * num_heads * D;
-          float* const acc_state = acc_tile.data() + i * num_heads * D;
-          float* const m_state = m_tile.data() + i * num_heads;
-          float* const l_state = l_tile.data() + i * num_heads;
-          const int64_t block = tables[s * width + b];
-          const int64_t n = std::min(block_size, len - b * block_size);
-          // The next block, unless the query before in the tile has just asked for the same one.
-          const bool prefetch = b + 1 < num_blocks &&
-              (i == 0 || seq_lens[s - 1] <= (b + 1) * block_size || tables[(s - 1) * width + b + 1] != tables[s * width + b + 1]);
-          if (prefetch) {
-            const char* nk = reinterpret_cast<const char*>(k_cache + tables[s * width + b + 1] * block_size * row);
-            const char* nv = reinterpret_cast<const char*>(v_cache + tables[s * width + b + 1] * block_size * row);
-            for (int64_t off = 0; off < block_size * row * 2; off += 64) {
-              _mm_prefetch(nk + off, _MM_HINT_T0);
-              _mm_prefetch(nv + off, _MM_HINT_T0);
+        const int64_t block = tables[last * width + b];
+        if (b + 1 < most_blocks) {
+          const char* nk = reinterpret_cast<const char*>(k_cache + tables[last * width + b + 1] * block_size * row);
+          const char* nv = reinterpret_cast<const char*>(v_cache + tables[last * width + b + 1] * block_size * row);
+          for (int64_t off = 0; off < block_size * row * 2; off += 64) {
+            _mm_prefetch(nk + off, _MM_HINT_T0);
+            _mm_prefetch(nv + off, _MM_HINT_T0);
+          }
+        }
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+          const at::BFloat16* k_rows = k_cache + block * block_size * row + g * D;
+          const at::BFloat16* v_rows = v_cache + block * block_size * row + g * D;
+          if (count > 1) {
+            const int64_t rows = std::min(block_size, seq_lens[last] - b * block_size);
+            for (int64_t t = 0; t < rows; ++t) {
+              load_row(k_rows + t * row, k_f32.data() + t * D, D);
+              load_row(v_rows + t * row, v_f32.data() + t * D, D);
             }
           }
-          for (int64_t g = 0; g < num_kv_heads; ++g) {
-            __m512 q[G][4], acc[G][4];
-            for (int r = 0; r < G; ++r)
-              for (int j = 0; j < 4; ++j) {
-                q[r][j] = _mm512_loadu_ps(&q_state[(g * G + r) * D + 16 * j]);
-                acc[r][j] = _mm512_loadu_ps(&acc_state[(g * G + r) * D + 16 * j]);
-              }
-            const at::BFloat16* kb = k_cache + block * block_size * row + g * D;
-            for (int64_t t = 0; t < n; ++t) {
-              const at::BFloat16* kp = kb + t * row;
-              const __m512 k0 = bf16x16_to_f32(kp), k1 = bf16x16_to_f32(kp + 16), k2 = bf16x16_to_f32(kp + 32),
-                           k3 = bf16x16_to_f32(kp + 48);
-              for (int r = 0; r < G; ++r) {
-                __m512 d = _mm512_mul_ps(q[r][0], k0);
-                d = _mm512_fmadd_ps(q[r][1], k1, d);
-                d = _mm512_fmadd_ps(q[r][2], k2, d);
-                d = _mm512_fmadd_ps(q[r][3], k3, d);
-                scores[r * block_size + t] = _mm512_reduce_add_ps(d);
-              }
-            }
-            for (int r = 0; r < G; ++r) {
-              const int64_t h = g * G + r;
-              float* sr = scores.data() + r * block_size;
-              float block_max = -std::numeric_limits<float>::infinity();
-              for (int64_t t0 = 0; t0 < n; t0 += 16) {
-                const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-                const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
-                block_max = std::max(block_max, _mm512_reduce_max_ps(v));
-              }
-              const float new_max = std::max(m_state[h], block_max);
-              const float correction = std::exp(m_state[h] - new_max);
-              float sum = 0.f;
-              for (int64_t t0 = 0; t0 < n; t0 += 16) {
-                const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
-                _mm512_mask_storeu_ps(sr + t0, live, e);
-                sum += _mm512_mask_reduce_add_ps(live, e);
-              }
-              l_state[h] = l_state[h] * correction + sum;
-              m_state[h] = new_max;
-              if (correction != 1.f) {
-                const __m512 c = _mm512_set1_ps(correction);
-                for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
-              }
-            }
-            const at::BFloat16* vb = v_cache + block * block_size * row + g * D;
-            for (int64_t t = 0; t < n; ++t) {
-              const at::BFloat16* vp = vb + t * row;
-              const __m512 v0 = bf16x16_to_f32(vp), v1 = bf16x16_to_f32(vp + 16), v2 = bf16x16_to_f32(vp + 32),
-                           v3 = bf16x16_to_f32(vp + 48);
-              for (int r = 0; r < G; ++r) {
-                const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
-                acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
-                acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
-              }
-            }
-            for (int r = 0; r < G; ++r)
-              for (int j = 0; j < 4; ++j) _mm512_storeu_ps(&acc_state[(g * G + r) * D + 16 * j], acc[r][j]);
+          for (int64_t i = 0; i < count; ++i) {
+            const int64_t len = seq_lens[s0 + i];
+            if (b * block_size >= len) continue;  // this query's keys end before block b
+            const int64_t n = std::min(block_size, len - b * block_size);
+            const int64_t state = i * num_heads + g * G;
+            float* const q_state = q_tile.data() + state * D;
+            float* const acc_state = acc_tile.data() + state * D;
+            // Tiles are runs of one sequence's tokens, but two sequences that share cached blocks
+            // can meet in one: a query whose block b is another reads its own from the cache.
+            const int64_t own = tables[(s0 + i) * width + b];
+            if (count > 1 && own == block)
+              attend_block<G, true>(q_state, acc_state, &m_tile[state], &l_tile[state], k_f32.data(), v_f32.data(), D, n,
+                                    block_size, scores.data(), part.data());
+            else
+              attend_block<G, false>(q_state, acc_state, &m_tile[state], &l_tile[state], k_cache + own * block_size * row + g * D,
+                                     v_cache + own * block_size * row + g * D, row, n, block_size, scores.data(), part.data());
           }
         }
       }

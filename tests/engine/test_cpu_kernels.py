@@ -90,8 +90,9 @@ def _sdpa_reference(query, key, value, key_cache, value_cache, slots, tables, le
 @needs_kernels
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("dim", [64, 48])
-def test_decode_attention_matches_sdpa_and_writes_the_cache(dtype, tolerance, dim):
-    case = _decode_case(dtype, dim=dim)
+@pytest.mark.parametrize("block_size", [16, 5, 40])
+def test_decode_attention_matches_sdpa_and_writes_the_cache(dtype, tolerance, dim, block_size):
+    case = _decode_case(dtype, dim=dim, block_size=block_size, num_blocks=1024 // block_size)
     query, key, value, key_cache, value_cache, slots, tables, lens, block_size = case
     scale = 1 / math.sqrt(dim)
     expected, kc, vc = _sdpa_reference(*case, scale)
@@ -119,18 +120,22 @@ def test_decode_attention_refuses_lengths_past_the_block_tables():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 48), (8, 1, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_query_gets_the_same_bits_alone_and_among_a_chunks_tokens(dtype, heads, kv_heads, dim, threads):
+@pytest.mark.parametrize("block_size", [16, 5, 40])
+def test_a_query_gets_the_same_bits_alone_and_among_a_chunks_tokens(dtype, heads, kv_heads, dim, threads, block_size):
     """The engine runs a prefill chunk's tokens as decode queries, and the kernel walks a tile of
     queries through the blocks together. A token's result must not depend on its tile: the tokens
     of a 45-token chunk after 37 cached ones (two sequences, beside two decodes), computed in one
     call, give the very bits each gets in a call of its own, the way a chunk of one token or a
-    decode would."""
+    decode would. One more query, of a sequence that shares only its first block with the chunk's
+    and is one key longer than the chunk's last token, lands in the chunk's last tile."""
     g = torch.Generator().manual_seed(dim)
-    block_size, num_blocks = 16, 64
+    num_blocks = 4096 // block_size
     key_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
     value_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g).to(dtype)
-    chunk = [(0, 37 + j + 1) for j in range(45)] + [(1, 60)] + [(2, 5 + j + 1) for j in range(30)] + [(3, 100)]
-    tables_of = torch.randperm(num_blocks, generator=g)[:28].view(4, 7)
+    chunk = [(0, 37 + j + 1) for j in range(45)] + [(4, 83), (1, 60)] + [(2, 5 + j + 1) for j in range(30)] + [(3, 100)]
+    width = -(-100 // block_size)
+    tables_of = torch.randperm(num_blocks, generator=g)[: 5 * width].view(5, width)
+    tables_of[4, 0] = tables_of[0, 0]
     rows = torch.tensor([r for r, _ in chunk])
     lens = torch.tensor([n for _, n in chunk])
     tables = tables_of[rows]
