@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -147,6 +148,9 @@ void f32_rows(const float* __restrict x, int64_t K, const W* __restrict w, const
 // up to 12 rows per call (x's value folded into each FMA as a broadcast operand). Each lane still
 // computes fma(x[k], w[k], acc) for k in ascending order: the bits equal the AVX2 kernel's.
 constexpr int64_t kRowBlock512 = 12;
+// From this many rows (4 row blocks of up to 12), two panels at a time, bf16 ones widened once
+// (run_groups). Measured on SmolLM2's shapes: docs/bench/cpu-speed.md, "Linears of many rows".
+constexpr int64_t kWideRows = 37;
 
 inline __m512 load16_512(const float* w) { return _mm512_loadu_ps(w); }
 
@@ -168,20 +172,30 @@ inline void store16_512(at::BFloat16* y, __m512 v, int64_t valid) {
 // P panels side by side (P consecutive groups of 16 outputs, each K x 16): with few rows, one
 // accumulator per row would leave each k waiting on the previous FMA's latency (4 cycles); P
 // independent panels give P times the chains, each output still summed in the same order.
-template <int M, int P, typename W>
+template <int M, int P, typename W, typename Y>
 void rows_512(const float* __restrict x, int64_t K, const W* __restrict w, const float* __restrict bias,
-              W* __restrict y, int64_t N, int64_t n0) {
+              Y* __restrict y, int64_t N, int64_t n0) {
   __m512 acc[P * M];
 #pragma GCC unroll 12
   for (int i = 0; i < P * M; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[P];
 #pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const W* wk = w + (p * K + k) * kGroup;
       _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wk) + kPrefetchAhead * 64), _MM_HINT_T0);
-      const __m512 wv = load16_512(wk);
+      wv[p] = load16_512(wk);
+    }
+    // x[m][k] broadcast once for the P panels (with one panel, as the FMA's memory operand).
 #pragma GCC unroll 12
-      for (int m = 0; m < M; ++m) acc[p * M + m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[p * M + m]);
+    for (int m = 0; m < M; ++m) {
+      if constexpr (P == 1) {
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv[0], acc[m]);
+      } else {
+        const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) acc[p * M + m] = _mm512_fmadd_ps(xv, wv[p], acc[p * M + m]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -203,39 +217,60 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
                 int64_t N) {
   // Groups of 16 outputs in parallel (torch's threads); under each, the row blocks in order.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    std::vector<float> widened;  // one bf16 panel as float32, when several row blocks share it
+#endif
     for (int64_t group = begin; group < end; ++group) {
       const int64_t n0 = group * kGroup;
       const W* panel = wb + group * K * kGroup;
 #if defined(__AVX512F__)
       // 1 or 2 rows: 4 panels at a time; 3 or 4 rows: 2 (where that many groups remain).
-      const int64_t panels = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
-      if (panels > 1 && group + panels <= end) {
+      const int64_t few = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+      if (few > 1 && group + few <= end) {
         switch (rows) {
           case 1: rows_512<1, 4>(xb, K, panel, bb, yb, N, n0); break;
           case 2: rows_512<2, 4>(xb, K, panel, bb, yb, N, n0); break;
           case 3: rows_512<3, 2>(xb, K, panel, bb, yb, N, n0); break;
           default: rows_512<4, 2>(xb, K, panel, bb, yb, N, n0); break;
         }
-        group += panels - 1;
+        group += few - 1;
         continue;
       }
       // Row blocks of near-equal size (16 rows: 8 + 8, not 12 + 4, whose 4 would wait on latency).
       const int64_t blocks = (rows + kRowBlock512 - 1) / kRowBlock512;
+      const int64_t panels = rows >= kWideRows && group + 2 <= end ? 2 : 1;
+      // From kWideRows rows (long prefill chunks, many seats), two panels at a time: one broadcast
+      // of x[m][k] feeds two FMAs, so loads (12 broadcasts and 2 weight rows per 24 FMAs, not 13
+      // loads per 12) no longer bound the FMA ports. And a bf16 pair of panels is widened to
+      // float32 once, not once per row block (a shuffle and a shift per k, on the FMA ports).
+      // The values, and so every sum, are the same.
+      if constexpr (std::is_same_v<W, at::BFloat16>) {
+        if (rows >= kWideRows) {
+          widened.resize(panels * K * kGroup);
+          for (int64_t k = 0; k < panels * K; ++k) _mm512_storeu_ps(widened.data() + k * kGroup, load16_512(panel + k * kGroup));
+        }
+      }
       for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
         const int64_t block_rows = rows / blocks + (b < rows % blocks ? 1 : 0);
         const float* xr = xb + r0 * K;
         W* yr = yb + r0 * N;
         r0 += block_rows;
-        switch (block_rows) {
-#define CARPOOL_ROWS(m) \
-  case m:               \
-    rows_512<m, 1>(xr, K, panel, bb, yr, N, n0); \
+        auto run_block = [&](const auto* weights) {
+          switch (block_rows) {
+#define CARPOOL_ROWS(m)                                                           \
+  case m:                                                                         \
+    if (panels == 2) rows_512<m, 2>(xr, K, weights, bb, yr, N, n0);               \
+    else rows_512<m, 1>(xr, K, weights, bb, yr, N, n0);                           \
     break;
-          CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5) CARPOOL_ROWS(6)
-          CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10) CARPOOL_ROWS(11) CARPOOL_ROWS(12)
+            CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5) CARPOOL_ROWS(6)
+            CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10) CARPOOL_ROWS(11) CARPOOL_ROWS(12)
 #undef CARPOOL_ROWS
-        }
+          }
+        };
+        if (std::is_same_v<W, at::BFloat16> && rows >= kWideRows) run_block(widened.data());
+        else run_block(panel);
       }
+      group += panels - 1;
 #else
       const int64_t valid = std::min(kGroup, N - n0);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {

@@ -78,16 +78,19 @@ def _sequential_fma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 16, 25])
-def test_each_output_is_one_fma_per_k_in_ascending_order(rows, dtype):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 16, 25, 36, 37, 61])
+@pytest.mark.parametrize("out_features", [49, 81])
+def test_each_output_is_one_fma_per_k_in_ascending_order(rows, dtype, out_features):
     """Pins the order of the sum on whichever build runs (AVX2: 6 rows x 2 vectors of 8; AVX512:
-    up to 12 rows, 2 or 4 panels at once for 1 to 4 rows): every path gives the documented sum to
-    the bit, so the builds agree with each other. 49 outputs end in a partial group of 16."""
-    x, weight, bias = (t.to(dtype) for t in _case(rows, 37, 49, seed=rows))
+    up to 12 rows, 2 or 4 panels at once for 1 to 4 rows, 2 widened panels from 37 rows): every
+    path gives the documented sum to the bit, so the builds agree with each other. 49 and 81
+    outputs end in a partial group of 16, and 81's 6 groups leave a panel of its own on 2 threads."""
+    x, weight, bias = (t.to(dtype) for t in _case(rows, 37, out_features, seed=rows))
     x = x[0]
     packed = ops.pack_f32_weight(weight)
     for b in (None, bias):
-        assert torch.equal(ops.f32_linear(x, packed, b, 49), _sequential_fma(x, weight, b)), (rows, b is None)
+        got = ops.f32_linear(x, packed, b, out_features)
+        assert torch.equal(got, _sequential_fma(x, weight, b)), (rows, b is None)
 
 
 def test_bf16_nan_stays_nan():
