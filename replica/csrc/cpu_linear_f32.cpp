@@ -218,7 +218,7 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
   // Groups of 16 outputs in parallel (torch's threads); under each, the row blocks in order.
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
-    std::vector<float> widened;  // one bf16 panel as float32, when several row blocks share it
+    std::vector<float> widened;  // a pair of bf16 panels (or the last one) as float32, from kWideRows rows
 #endif
     for (int64_t group = begin; group < end; ++group) {
       const int64_t n0 = group * kGroup;
