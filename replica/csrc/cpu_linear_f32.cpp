@@ -149,7 +149,7 @@ void f32_rows(const float* __restrict x, int64_t K, const W* __restrict w, const
 // computes fma(x[k], w[k], acc) for k in ascending order: the bits equal the AVX2 kernel's.
 constexpr int64_t kRowBlock512 = 12;
 // From this many rows (4 row blocks of up to 12), two panels at a time, bf16 ones widened once
-// (run_groups). Measured on SmolLM2's shapes: docs/bench/cpu-speed.md, "Linears of many rows".
+// (run_groups). Measured on SmolLM2's shapes: docs/bench/cpu-speed.md, "Faster long prefills".
 constexpr int64_t kWideRows = 37;
 
 inline __m512 load16_512(const float* w) { return _mm512_loadu_ps(w); }
@@ -244,11 +244,10 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
       // loads per 12) no longer bound the FMA ports. And a bf16 pair of panels is widened to
       // float32 once, not once per row block (a shuffle and a shift per k, on the FMA ports).
       // The values, and so every sum, are the same.
-      if constexpr (std::is_same_v<W, at::BFloat16>) {
-        if (rows >= kWideRows) {
-          widened.resize(panels * K * kGroup);
-          for (int64_t k = 0; k < panels * K; ++k) _mm512_storeu_ps(widened.data() + k * kGroup, load16_512(panel + k * kGroup));
-        }
+      const bool widen = std::is_same_v<W, at::BFloat16> && rows >= kWideRows;
+      if (widen) {
+        widened.resize(panels * K * kGroup);
+        for (int64_t k = 0; k < panels * K; ++k) _mm512_storeu_ps(widened.data() + k * kGroup, load16_512(panel + k * kGroup));
       }
       for (int64_t b = 0, r0 = 0; b < blocks; ++b) {
         const int64_t block_rows = rows / blocks + (b < rows % blocks ? 1 : 0);
@@ -267,7 +266,7 @@ void run_groups(const float* xb, int64_t rows, int64_t K, const W* wb, int64_t g
 #undef CARPOOL_ROWS
           }
         };
-        if (std::is_same_v<W, at::BFloat16> && rows >= kWideRows) run_block(widened.data());
+        if (widen) run_block(widened.data());
         else run_block(panel);
       }
       group += panels - 1;
