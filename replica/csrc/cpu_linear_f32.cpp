@@ -31,7 +31,8 @@
 // whatever the number of rows: a row's result does not depend on the other rows of its step.
 // Built with AVX512F, the same sums run 16 lanes wide (rows_512): one accumulator per row, up to
 // 12 rows a call, and with 1 to 4 rows 2 or 4 panels at once so that the FMAs' latency does not
-// bound the weight stream. Every lane computes the same FMAs in the same order: the AVX2 and
+// bound the weight stream; from 37 rows 2 panels at once, so that loads do not bound the FMAs
+// (run_groups). Every lane computes the same FMAs in the same order: the AVX2 and
 // AVX512 builds give the same bits.
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -171,7 +172,9 @@ inline void store16_512(at::BFloat16* y, __m512 v, int64_t valid) {
 
 // P panels side by side (P consecutive groups of 16 outputs, each K x 16): with few rows, one
 // accumulator per row would leave each k waiting on the previous FMA's latency (4 cycles); P
-// independent panels give P times the chains, each output still summed in the same order.
+// independent panels give P times the chains. With many rows, P = 2 lets one broadcast of x feed
+// two FMAs. Each output is still summed in the same order. W: the packed weight's type (float32
+// where run_groups widened a bf16 pair); Y: the output's.
 template <int M, int P, typename W, typename Y>
 void rows_512(const float* __restrict x, int64_t K, const W* __restrict w, const float* __restrict bias,
               Y* __restrict y, int64_t N, int64_t n0) {
