@@ -118,6 +118,7 @@ def serve(
     attention_backend: Optional[str] = typer.Option(None, help="auto (the device's fast kernels), reference, cpu or cuda (default: auto)."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on; --no-compile is vLLM's --enforce-eager)."),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="CUDA: replay decode steps from captured CUDA graphs (default: on with --compile)."),
+    async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (vLLM's --async-scheduling; default: off)."),
     enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of cached prompt prefixes (default: on)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
     host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),
@@ -158,7 +159,7 @@ def serve(
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
         "attention_backend": attention_backend, "compile": compile, "enable_prefix_caching": enable_prefix_caching,
-        "cuda_graphs": cuda_graphs,
+        "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling,
     }
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,

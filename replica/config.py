@@ -110,6 +110,15 @@ class EngineConfig(BaseModel):
             "kernel of every step."
         ),
     )
+    async_scheduling: bool = Field(
+        False,
+        description=(
+            "Schedule and prepare step N+1 while step N runs (vLLM's async scheduling), continuous "
+            "policy only: on CUDA the host's work overlaps the GPU's; a step's tokens are then "
+            "read one step later, and a request that stops on a token (EOS, a stop string) costs "
+            "one thrown-away row. Tokens are the same as without it."
+        ),
+    )
     enable_prefix_caching: bool = Field(
         True,
         description=(

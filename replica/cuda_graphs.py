@@ -224,10 +224,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            lens: np.ndarray) -> torch.Tensor | None:
+            lens: np.ndarray, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """One decode step of ``n`` sequences: ``ids``, ``positions``, ``slots``, ``lens`` ``[n]``
-        (int64), ``tables`` ``[n, width]``. Returns logits ``[n, vocab]``, valid until the next
-        call, or None (nothing run) if no graph holds the step (:meth:`bucket`)."""
+        (int64), ``tables`` ``[n, width]``; ``patch`` = (rows, token ids) on the device overrides
+        those rows' ids (async scheduling: tokens of the step in flight). Returns logits
+        ``[n, vocab]``, valid until the next call, or None (nothing run) if no graph holds the step
+        (:meth:`bucket`)."""
         n, width = tables.shape
         key = self.bucket(n, width)
         if key is None:
@@ -236,6 +238,8 @@ class DecodeGraphs:
         self.steps_run += 1
         with self._on_device():
             self._load(bs, w, ids, positions, slots, tables, lens)
+            if patch is not None:
+                self._ids.index_copy_(0, *patch)
             if key not in self._graphs:  # not captured at start (capture_all was not called)
                 self._capture(bs, w)  # its warm-up forward writes the same K/V that the replay writes
             graph = self._graphs[key]

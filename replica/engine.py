@@ -3,6 +3,11 @@
 One ``step()`` = schedule → one forward → sample → update → detokenize. Finished requests leave
 their seat and free their blocks inside the step that finishes them; waiting requests take those
 seats in the next step. Not thread-safe: ``replica.async_engine`` drives it from one thread.
+
+With ``async_scheduling`` one ``step()`` = schedule step N → launch its forward → read step N-1's
+tokens, update, detokenize → sample step N and leave it in flight: a step's outputs come out of
+the next ``step()`` call, and step N's decode rows take their input tokens from step N-1's device
+tensor (see :meth:`LLMEngine._step_overlapped`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from replica.request import FinishReason, Request, SamplingParams, StepOutput, T
 from replica.request_builder import build_request, eos_token_ids
 from replica.scheduler import Scheduler
 from replica.scheduler_output import SchedulerOutput
+from replica.step_result import InFlight, StepResult
 from replica.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -108,6 +114,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step_output = None  # SchedulerOutput of the latest step (benchmarks read it)
         self._consecutive_failed_steps = 0
+        self._in_flight: InFlight | None = None  # async scheduling: the step the next step() reads
         self._refresh_stats()
 
     # ---- requests ----------------------------------------------------------------------------
@@ -181,10 +188,16 @@ class LLMEngine:
         if self.metrics is not None:
             self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
         self._refresh_stats()
-        return self._output(request, [], "", None)
+        return StepOutput.of(request, [], "", None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap (``EngineConfig.async_scheduling``); the static policy (the
+        baseline, which benchmarks may switch to on an idle engine) always runs synchronously."""
+        return self.config.async_scheduling and self.scheduler.policy == "continuous"
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -219,41 +232,26 @@ class LLMEngine:
         self.last_step_output = out
         for request_id in self.scheduler.take_released():
             self.runner.forget(request_id)
-        if out.is_empty:
-            return []
-        metrics = self.metrics
         seats_taken = self.scheduler.num_seats_taken  # during this step, before finishes free seats
         for sched in out.scheduled:
             request = sched.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
-                if metrics is not None:
-                    metrics.on_first_scheduled(started - request.arrival_time)
-        try:
-            result = self.runner.execute(out)
-        except Exception as exc:
-            return self._fail_step(out, exc)
-        self._consecutive_failed_steps = 0
-        outputs = []
-        for row, exc in result.errors.items():  # rows whose sampling failed: end them before the update
-            request = out.scheduled[row].request
-            outputs.append(self._fail_request(request, exc))
-        for row, entries in result.prompt_logprobs.items():
-            out.scheduled[row].request.prompt_logprobs.extend(entries)
-        logprobs_of = {
-            id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
-        }
-        with record_function("carpool.update"):
-            produced = self.scheduler.update_from_output(out, result.sampled_token_ids)
-        now = time.monotonic()
-        with record_function("carpool.detokenize"):
-            for request in produced:
-                try:
-                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
-                except Exception as exc:
-                    outputs.append(self._fail_request(request, exc))
-        if metrics is not None:
-            metrics.on_step(
+                if self.metrics is not None:
+                    self.metrics.on_first_scheduled(started - request.arrival_time)
+        if self.async_scheduling:
+            outputs = self._step_overlapped(out)
+        elif out.is_empty:
+            return []
+        else:
+            try:
+                result = self.runner.execute(out)
+            except Exception as exc:
+                return self._fail_step(out, exc)
+            self._consecutive_failed_steps = 0
+            outputs = self._process(out, result)
+        if self.metrics is not None and not out.is_empty:
+            self.metrics.on_step(
                 num_tokens=out.num_batched_tokens,
                 num_running=seats_taken,
                 num_slots=self.scheduler.max_num_seqs,
@@ -261,6 +259,65 @@ class LLMEngine:
                 num_preempted=len(out.preempted),
             )
         self._refresh_stats()
+        return outputs
+
+    def _step_overlapped(self, out: SchedulerOutput) -> list[StepOutput]:
+        """Async scheduling: launch the forward of ``out`` (just scheduled), then finish the step
+        in flight (its tokens, stops, detokenizing) while that forward runs, then sample ``out``
+        and leave it in flight. On CUDA the host work of both ends overlaps the device's work;
+        on CPU, where every op is synchronous, the same order runs without overlap."""
+        previous, self._in_flight = self._in_flight, None
+        launched = failed = None
+        if not out.is_empty:
+            self.scheduler.advance(out)
+            try:
+                launched = self.runner.launch(out, previous.tokens if previous is not None else None)
+            except Exception as exc:
+                failed = exc
+        outputs = []
+        if previous is not None:
+            prev_out, pending = previous
+            try:
+                result = pending.result()
+            except Exception as exc:
+                outputs += self._fail_step(prev_out, exc)
+            else:
+                outputs += self._process(prev_out, result, advanced=True)
+        if launched is not None:
+            try:
+                self._in_flight = InFlight(out, self.runner.sample_later(launched))
+            except Exception as exc:
+                failed = exc
+        if failed is not None:
+            return outputs + self._fail_step(out, failed)
+        if launched is not None:
+            self._consecutive_failed_steps = 0
+        return outputs
+
+    def _process(self, out: SchedulerOutput, result: StepResult, *, advanced: bool = False) -> list[StepOutput]:
+        """Outputs of a step whose forward and sampling are done: failed rows end, tokens are
+        appended (``advanced``: see :meth:`Scheduler.update_from_output`), stops applied, text
+        detokenized."""
+        outputs = []
+        for row, exc in result.errors.items():  # rows whose sampling failed: end them before the update
+            request = out.scheduled[row].request
+            if request.is_finished:
+                continue
+            outputs.append(self._fail_request(request, exc))
+        for row, entries in result.prompt_logprobs.items():
+            out.scheduled[row].request.prompt_logprobs.extend(entries)
+        logprobs_of = {
+            id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
+        }
+        with record_function("carpool.update"):
+            produced = self.scheduler.update_from_output(out, result.sampled_token_ids, advanced=advanced)
+        now = time.monotonic()
+        with record_function("carpool.detokenize"):
+            for request in produced:
+                try:
+                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
+                except Exception as exc:
+                    outputs.append(self._fail_request(request, exc))
         return outputs
 
     def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None) -> StepOutput:
@@ -293,7 +350,7 @@ class LLMEngine:
             self._detokenizers.pop(request.request_id, None)
             if metrics is not None:
                 metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
-        output = self._output(request, token_ids, text, [lp] if lp else None)
+        output = StepOutput.of(request, token_ids, text, [lp] if lp else None)
         if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             request.prompt_logprobs_sent = True
             output.prompt_logprobs = [None, *request.prompt_logprobs]
@@ -310,7 +367,7 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         if self.metrics is not None:
             self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
-        output = self._output(request, [], "", None)
+        output = StepOutput.of(request, [], "", None)
         output.error = f"internal error while generating: {type(exc).__name__}: {exc}"
         return output
 
@@ -328,8 +385,8 @@ class LLMEngine:
         self.block_manager.uncache(out.newly_cached)
         for sched in out.scheduled:
             request = sched.request
-            if sched.is_padding or request.request_id in seen:
-                continue  # a static batch's padding row: finished already, freed with its batch
+            if sched.is_padding or request.request_id in seen or request.is_finished:
+                continue  # a static batch's padding row, or (async) a request that ended meanwhile
             seen.add(request.request_id)
             outputs.append(self._fail_request(request, exc))
         self._refresh_stats()
@@ -355,22 +412,6 @@ class LLMEngine:
                 num_free_blocks=stats.num_free_blocks,
                 num_total_blocks=stats.num_total_blocks,
             )
-
-    def _output(
-        self, request: Request, token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None
-    ) -> StepOutput:
-        reason = request.finish_reason
-        return StepOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            new_text=text,
-            new_logprobs=logprobs,
-            finished=request.is_finished,
-            finish_reason=reason.value if reason is not None else None,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-        )
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``), e.g. between

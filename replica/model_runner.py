@@ -18,7 +18,6 @@ torch.compile, ``compile=False`` eagerly. Compiled on CPU with Carpool's kernel,
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,9 +32,13 @@ from replica.input_batch import InputBatch, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.logprobs import token_logprobs
 from replica.model_loader import load_model, resolve_dtype
-from replica.request import TokenLogprobs
+from replica.input_batch import StepInputs
+from replica.request import RequestStatus
 from replica.sampler import Sampler, cpu_inversion
 from replica.scheduler_output import SchedulerOutput
+from replica.step_result import PendingTokens, StepResult
+
+__all__ = ["ModelRunner", "PendingTokens", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +49,6 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 # is not built, CPU float32 steps run 4 tokens and rows at least. (With 2 threads other small
 # counts differ too: a replica runs one thread per core.)
 FLOAT32_MIN_ROWS = 4
-
-
-@dataclass
-class StepResult:
-    """Per scheduled row of a step: the sampled token (None if the row does not sample) and logprobs.
-
-    ``errors`` maps a row to the exception that sampling that row alone raised (its token is None).
-    ``prompt_logprobs`` maps a row to the prompt logprobs its chunk computed, in position order.
-    """
-
-    sampled_token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
-    errors: dict[int, Exception] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -263,6 +252,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one forward for ``out``, sample the rows that reach their last known token and score
         the prompt positions whose logprobs are asked for."""
+        return self._sample(*self.launch(out))
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, previous: PendingTokens | None = None
+    ) -> tuple[SchedulerOutput, StepInputs, torch.Tensor]:
+        """Prepare ``out``'s inputs and run its forward (on CUDA: launch it); returns what
+        :meth:`sample_later` (or the sampling of :meth:`execute`) takes, with the logits
+        ``[num_logits_rows, vocab]``. Rows marked ``from_previous`` (async scheduling) take their
+        input token from ``previous`` on the device."""
         with record_function("carpool.prepare_inputs"):
             inputs = self.input_batch.prepare(
                 out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens, min_rows=self.min_rows
@@ -270,14 +269,20 @@ class ModelRunner:
             seqs = inputs.sequences
             arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
             all_decodes = bool((seqs.query_lens == 1).all())
+            patch = None
+            if any(s.from_previous for s in out.scheduled):
+                if previous is None:
+                    raise RuntimeError("a row takes its input token from a step in flight, but none is")
+                patch = previous.inputs_for(out.scheduled, seqs.query_start, self.device)
         if self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs and not inputs.prompt_spans:
             with record_function("carpool.forward"):
                 n = seqs.num_seqs
                 logits = self.graphs.run(
-                    inputs.input_ids[:n], inputs.positions[:n], seqs.slot_mapping[:n], seqs.block_tables, seqs.seq_lens
+                    inputs.input_ids[:n], inputs.positions[:n], seqs.slot_mapping[:n], seqs.block_tables, seqs.seq_lens,
+                    patch=patch,
                 )
             if logits is not None:
-                return self._sample(out, inputs, logits)
+                return out, inputs, logits
         with record_function("carpool.prepare_inputs"):
             # Prefill chunks run as one decode query per token (decode_arrays): the step
             # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
@@ -290,6 +295,8 @@ class ModelRunner:
             else:
                 self.backend.plan(seqs)
             input_ids, positions, logits_indices, *decode = to_device(arrays, self.device)
+            if patch is not None:
+                input_ids.index_copy_(0, *patch)
             # [1, T] with the strides of a fresh tensor, as in the warm-up (a numpy [None] view has a
             # zero stride, which the compiled graph's guards would tell apart and compile again for).
             input_ids, positions = input_ids.unsqueeze(0), positions.unsqueeze(0)
@@ -306,7 +313,42 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
                 **extra,
             ).logits[0]  # [num_logits_rows, vocab]
-        return self._sample(out, inputs, logits)
+        return out, inputs, logits
+
+    @torch.inference_mode()
+    def sample_later(self, launched: tuple[SchedulerOutput, StepInputs, torch.Tensor]) -> PendingTokens:
+        """Sample a launched step (:meth:`launch`) without reading its tokens back: the rows of
+        requests still running (a request that ended since it was scheduled gets no token). A step
+        with logprobs, prompt logprobs or a sampling error is sampled as :meth:`execute` does."""
+        out, inputs, logits = launched
+        keep = [k for k, row in enumerate(inputs.sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
+        requests = [out.scheduled[inputs.sample_rows[k]].request for k in keep]
+        plain = (
+            not inputs.prompt_spans
+            and all(r.sampling_params.logprobs is None for r in requests)
+            and not any(s.is_padding for s in out.scheduled)
+        )
+        if plain:
+            self._seed_generators(requests)
+            rows = logits[: len(inputs.sample_rows)]
+            if len(keep) < len(inputs.sample_rows):
+                rows = rows.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
+            try:
+                with record_function("carpool.sample"):
+                    tokens = self.sampler.sample_ids(rows, requests) if requests else rows.new_empty(0, dtype=torch.int64)
+            except Exception:
+                logger.exception("batched sampling failed; sampling the step's rows one by one")
+            else:
+                rows_of = [inputs.sample_rows[k] for k in keep]
+                return PendingTokens([r.request_id for r in requests], rows_of, tokens, len(out.scheduled))
+        result = self._sample(out, inputs, logits)
+        ids = [None if s.is_padding else s.request.request_id for s in out.scheduled]
+        return PendingTokens.done(result, ids, self.device)
+
+    def _seed_generators(self, requests) -> None:
+        for request in requests:
+            if request.sampling_params.seed is not None and request.generator is None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
 
     def _sample(self, out: SchedulerOutput, inputs, logits: torch.Tensor) -> StepResult:
         """Sample the step's sampling rows and score its prompt rows from ``logits``
@@ -321,16 +363,13 @@ class ModelRunner:
         if not sample_rows:
             return result
 
-        real = [i for i, row in enumerate(sample_rows) if not out.scheduled[row].is_padding]
+        # Rows of running requests (async scheduling: one that ended since it was scheduled gets none).
+        real = [i for i, row in enumerate(sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
         padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
         if real:
             requests = [out.scheduled[sample_rows[i]].request for i in real]
-            for request in requests:
-                if request.sampling_params.seed is not None and request.generator is None:
-                    request.generator = torch.Generator(device=self.device).manual_seed(
-                        request.sampling_params.seed
-                    )
-            real_logits = logits if not padding else logits[real]
+            self._seed_generators(requests)
+            real_logits = logits if len(real) == len(sample_rows) else logits[real]
             try:
                 with record_function("carpool.sample"):
                     sampled = self.sampler(real_logits, requests)

@@ -273,6 +273,9 @@ class Request:
     num_cached_blocks: int = 0
     # Structured output: the constraint's state (replica.structured_output.Grammar), or None.
     grammar: Any = None
+    # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids.
+    # num_computed_tokens already counts the positions that step computes (Scheduler.advance).
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -356,6 +359,24 @@ class StepOutput:
     num_output_tokens: int
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @classmethod
+    def of(
+        cls, request: "Request", token_ids: list[int], text: str, logprobs: list[TokenLogprobs] | None
+    ) -> "StepOutput":
+        """``request``'s delta of ``token_ids`` and ``text``, with its finish state and counts now."""
+        reason = request.finish_reason
+        return cls(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
 
     def merged(self, later: "StepOutput") -> "StepOutput":
         """This delta followed by ``later`` (of the same request) as one delta: tokens, text and

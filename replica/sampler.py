@@ -134,17 +134,30 @@ class Sampler:
         Returns:
             :class:`SamplerOutput` with ``num_rows`` token ids and logprobs entries.
         """
+        token_ids, logprobs = self._run(logits, requests, with_logprobs=True)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def sample_ids(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The tokens :meth:`__call__` samples, as ``[num_rows]`` int64 on the logits' device, and no
+        logprobs: nothing is read back to the host, so on CUDA the call returns before the
+        device has sampled (async scheduling reads the tokens one step later)."""
+        return self._run(logits, requests, with_logprobs=False)[0]
+
+    def _run(
+        self, logits: torch.Tensor, requests: Sequence[Request], *, with_logprobs: bool
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
+        """Token ids ``[num_rows]`` (int64, on the logits' device) and, ``with_logprobs``, the
+        logprobs entries of the rows that ask for them (else all None)."""
         num_rows, vocab = logits.shape
         assert num_rows == len(requests), f"{num_rows} logit rows for {len(requests)} requests"
         plain = [_plain_greedy(r) for r in requests]
         if all(plain):
             # The same tokens as the full path below, which takes argmax of the float32 logits.
-            token_list = greedy_argmax(logits).tolist()
-            return SamplerOutput(token_ids=token_list, logprobs=[None] * num_rows)
+            return greedy_argmax(logits).long(), [None] * num_rows
         if any(plain):
             # Plain greedy rows keep the fast argmax; only the others pay for float32 copies
             # (a constrained or biased neighbour costs them nothing).
-            return self._split(logits, requests, plain)
+            return self._split(logits, requests, plain, with_logprobs)
         device = logits.device
         raw = logits.float()
         work = raw
@@ -184,24 +197,28 @@ class Sampler:
                 owned = work.index_select(0, index)
             token_ids[index] = self._sample_random(owned, [requests[i] for i in random_rows])
 
-        token_list = token_ids.tolist()
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw, requests, token_ids))
+        if not with_logprobs:
+            return token_ids, [None] * num_rows
+        return token_ids, self._logprobs(raw, requests, token_ids)
 
-    def _split(self, logits: torch.Tensor, requests: Sequence[Request], plain: list[bool]) -> SamplerOutput:
+    def _split(
+        self, logits: torch.Tensor, requests: Sequence[Request], plain: list[bool], with_logprobs: bool
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         """Sample plain greedy rows (``plain[i]``) with :func:`greedy_argmax` and the rest with the
         full pipeline; the same tokens as the full pipeline over all rows."""
-        fast = [i for i, p in enumerate(plain) if p]
+        fast = torch.tensor([i for i, p in enumerate(plain) if p], device=logits.device)
         rest = [i for i, p in enumerate(plain) if not p]
-        device = logits.device
-        fast_ids = greedy_argmax(logits.index_select(0, torch.tensor(fast, device=device))).tolist()
-        full = self(logits.index_select(0, torch.tensor(rest, device=device)), [requests[i] for i in rest])
-        token_ids: list[int] = [0] * len(requests)
+        rest_index = torch.tensor(rest, device=logits.device)
+        rest_ids, rest_logprobs = self._run(
+            logits.index_select(0, rest_index), [requests[i] for i in rest], with_logprobs=with_logprobs
+        )
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        token_ids[fast] = greedy_argmax(logits.index_select(0, fast)).long()
+        token_ids[rest_index] = rest_ids
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        for i, t in zip(fast, fast_ids):
-            token_ids[i] = t
-        for i, t, lp in zip(rest, full.token_ids, full.logprobs):
-            token_ids[i], logprobs[i] = t, lp
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        for i, lp in zip(rest, rest_logprobs):
+            logprobs[i] = lp
+        return token_ids, logprobs
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

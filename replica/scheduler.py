@@ -13,7 +13,12 @@ Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's
 * a finished or aborted request gives back its seat and blocks in the step it finishes;
 * with prefix caching, a request admitted without blocks starts from the longest cached prefix of
   its full blocks (``num_computed_tokens`` starts past it), and the blocks a step fills are
-  registered in the cache when they are allocated (:meth:`Scheduler._allocate`).
+  registered in the cache when they are allocated (:meth:`Scheduler._allocate`);
+* with async scheduling (vLLM v1's), step N+1 is scheduled while step N runs: :meth:`advance`
+  counts step N's tokens as computed and its samples as pending (``Request.num_pending``), a
+  running request then decodes its pending token next (``from_previous``), unless that token is
+  sure to be its last (max_tokens, max_model_len); a stop the pending token brings (EOS, a stop
+  string) is found one step late and that step's row for it is thrown away.
 
 ``policy="static"`` is the baseline: a batch is admitted only when the previous one has wholly
 finished, and a finished member keeps its seat, its blocks and its row in the forward (as padding,
@@ -125,11 +130,14 @@ class Scheduler:
         self._release_static_batch_if_done()
         return request
 
-    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+    def _finish(
+        self, request: Request, reason: FinishReason, stop_reason: int | str | None, step: int | None = None
+    ) -> None:
+        """``step``: the step whose token ended the request (default: the latest scheduled)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        request.finish_step = self.step_count
+        request.finish_step = step or self.step_count
         if self.policy == "static" and reason != FinishReason.ABORT and request in self.running:
             request.is_padding = True  # keeps its seat and blocks until the batch ends
             return
@@ -170,7 +178,10 @@ class Scheduler:
                 continue
             cached = self._cached_prefix(request)  # a static batch member's first chunk
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget)
+            num_new = min(self._known_or_pending(request) - start, budget)
+            if num_new <= 0:  # async: computed to its end by the step in flight, which ends it
+                index += 1
+                continue
             target = start + num_new
             while not self.block_manager.can_allocate(request.request_id, target, cached or ()):
                 victim = self._pick_victim(request)
@@ -224,6 +235,15 @@ class Scheduler:
             self.step_count += 1
         return out
 
+    def _known_or_pending(self, request: Request) -> int:
+        """Tokens of ``request`` a step may compute up to: the known ones, and the pending one of
+        the step in flight (async scheduling) unless that token is sure to end the request."""
+        if not request.num_pending:
+            return request.num_tokens
+        total = request.num_tokens + request.num_pending
+        last = request.num_output_tokens + request.num_pending >= request.sampling_params.max_tokens
+        return request.num_tokens if last or total >= self.max_model_len else total
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
@@ -231,7 +251,8 @@ class Scheduler:
             start=start,
             num_new_tokens=num_new,
             # max_tokens == 0 (score the prompt only): the prefill ends the request, nothing is sampled
-            samples=start + num_new == request.num_tokens and request.sampling_params.max_tokens > 0,
+            samples=start + num_new == self._known_or_pending(request) and request.sampling_params.max_tokens > 0,
+            from_previous=start >= request.num_tokens,
         )
 
     def _schedule_padding(self, request: Request) -> ScheduledRequest | None:
@@ -280,7 +301,9 @@ class Scheduler:
             request.num_cached_blocks = len(cached)
         bm.allocate(request.request_id, num_tokens, cached or ())
         request.block_ids = bm.block_table(request.request_id)
-        full = num_tokens // bm.block_size
+        # A block is registered once its tokens are known: one filled with a pending token
+        # (async scheduling) waits for a later step's allocation.
+        full = min(num_tokens, request.num_tokens) // bm.block_size
         if bm.enable_caching and full > request.num_cached_blocks:
             self._hash_blocks(request, full)
             self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
@@ -321,16 +344,26 @@ class Scheduler:
         out.preempted.append(request)
 
     # ---- after the forward -------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling, right after :meth:`schedule`: count the step's tokens as computed and
+        its samples as pending, so that the next step can be scheduled before this one's tokens
+        are known (then :meth:`update_from_output` with ``advanced=True``)."""
+        for scheduled in out.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            scheduled.request.num_pending += scheduled.samples
+
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False
     ) -> list[Request]:
-        """Advance ``num_computed_tokens``, append sampled tokens and apply token-level stops.
+        """Advance ``num_computed_tokens`` (unless :meth:`advance` did), append sampled tokens and
+        apply token-level stops.
 
         ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
         row does not sample). Returns the requests that produced a token this step (or, with
         ``max_tokens == 0``, finished their prefill), in order;
         those that finished have ``status == FINISHED`` and their seat and blocks are already
-        free (static: kept as padding until the batch ends).
+        free (static: kept as padding until the batch ends). With ``advanced``, a request
+        preempted since the step was scheduled still gets its token (it is recomputed with it).
         """
         produced: list[Request] = []
         for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
@@ -338,20 +371,23 @@ class Scheduler:
             if scheduled.is_padding:
                 request.num_computed_tokens += 1
                 continue
-            if request.status != RequestStatus.RUNNING:
+            if advanced and scheduled.samples:
+                request.num_pending -= 1
+            if request.status != RequestStatus.RUNNING and not (advanced and request.status == RequestStatus.WAITING):
                 continue  # aborted while the step ran
-            request.num_computed_tokens += scheduled.num_new_tokens
+            if not advanced:
+                request.num_computed_tokens += scheduled.num_new_tokens
             if not scheduled.samples:
                 if request.sampling_params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
                     produced.append(request)  # the prompt is prefilled (and scored): done, no token
-                    self._finish(request, FinishReason.LENGTH, None)
+                    self._finish(request, FinishReason.LENGTH, None, out.step)
                 continue
             assert token_id is not None
             request.output_token_ids.append(token_id)
             produced.append(request)
             reason, stop_reason = self._check_stop(request, token_id)
             if reason is not None:
-                self._finish(request, reason, stop_reason)
+                self._finish(request, reason, stop_reason, out.step)
         self._release_static_batch_if_done()
         return produced
 

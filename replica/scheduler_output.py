@@ -17,7 +17,9 @@ class ScheduledRequest:
     The step computes tokens ``[start, start + num_new_tokens)`` of ``request`` (prompt then
     output). ``samples`` is true when the chunk reaches the last known token, so the step yields
     a new token for it. Padding rows (static policy) recompute the last token at the next
-    position and their sample is thrown away.
+    position and their sample is thrown away. ``from_previous`` (async scheduling): the row's one
+    input token is the one the step still in flight samples for this request; the model runner
+    takes it from that step's device tensor.
     """
 
     request: Request
@@ -25,6 +27,7 @@ class ScheduledRequest:
     num_new_tokens: int
     samples: bool
     is_padding: bool = False
+    from_previous: bool = False
 
 
 @dataclass

@@ -65,6 +65,7 @@ def offline_main(
     prompt_logprobs_requests: int = 0,
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
+    async_scheduling: bool = False,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
@@ -72,7 +73,7 @@ def offline_main(
         workload: ``seed-example``, ``seed-mix``, ``sweep``, or the path of a JSONL file of
             ``{"prompt", "max_tokens"}`` objects.
         model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-            attention_backend, compile, cuda_graphs: the engine's settings (``EngineConfig``); ``model=None``
+            attention_backend, compile, cuda_graphs, async_scheduling: the engine's settings (``EngineConfig``); ``model=None``
             is the default model.
         num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's size).
         mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed.
@@ -120,7 +121,7 @@ def offline_main(
     engine_kwargs = bench_engine_kwargs(
         model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
     )
     llm = LLM(**engine_kwargs)
     hf_model = None

@@ -36,6 +36,7 @@ def profile_main(
     json_path: str | Path | None = None,
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
+    async_scheduling: bool = False,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
@@ -54,7 +55,7 @@ def profile_main(
         torch.set_num_threads(threads)
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
     )
     llm = LLM(**({"model": model} if model else {}), **kwargs)
     engine = llm.engine

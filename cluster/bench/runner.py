@@ -237,7 +237,7 @@ def warm_up(llm, prompt_token_ids: list[int], num_seqs: int, max_tokens: int = 4
 
 def bench_engine_kwargs(
     *, model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory, attention_backend, compile, threads,
-    cuda_graphs: bool = True,
+    cuda_graphs: bool = True, async_scheduling: bool = False,
 ) -> dict:
     """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``
     and ``kv_cache_memory`` (bytes) left to the defaults when None); sets torch's thread count
@@ -248,7 +248,7 @@ def bench_engine_kwargs(
         torch.set_num_threads(threads)
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        attention_backend=attention_backend, compile=compile, cuda_graphs=cuda_graphs,
+        attention_backend=attention_backend, compile=compile, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
     )
     if model:
         kwargs["model"] = model

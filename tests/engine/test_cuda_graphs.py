@@ -105,7 +105,7 @@ def test_capture_all_visits_every_bucket_on_padding_only():
         assert (slots == 99 * 16).all() and (tables == 99).all() and (lens == 1).all() and (ids == 0).all()
 
 
-def _graph_engine(path: str, **kwargs) -> LLM:
+def graph_engine(path: str, **kwargs) -> LLM:
     llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, **kwargs)
     if llm.engine.runner.graphs is None:  # off CUDA: the same path, not captured
         llm.engine.runner.enable_decode_graphs(capture=False)
@@ -129,7 +129,7 @@ SCENARIO_KWARGS = {"few-seats": dict(max_num_seqs=4), "preemption": dict(max_num
 def test_graph_decode_steps_match_transformers_generate(tiny_llama, policy, scenario, attention, monkeypatch):
     if attention == "torch":
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    llm = _graph_engine(tiny_llama, scheduling_policy=policy, **SCENARIO_KWARGS[scenario])
+    llm = graph_engine(tiny_llama, scheduling_policy=policy, **SCENARIO_KWARGS[scenario])
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == reference_tokens(tiny_llama, WORKLOAD)
     assert llm.engine.runner.graphs.steps_run > 0
@@ -142,13 +142,13 @@ def test_decode_steps_wider_than_every_graph_run_without_one(tiny_llama, monkeyp
     """With graphs up to 64-token contexts, decode steps over longer contexts take the backend's
     path, also mid-request; tokens stay those of transformers generate."""
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_CONTEXT", 64)
-    llm = _graph_engine(tiny_llama, max_num_seqs=2)
+    llm = graph_engine(tiny_llama, max_num_seqs=2)
     graphs = llm.engine.runner.graphs
     assert graphs.widths == [2, 4]
     run, outcomes = graphs.run, []
 
-    def counted(*args):
-        logits = run(*args)
+    def counted(*args, **kwargs):
+        logits = run(*args, **kwargs)
         outcomes.append(logits is not None)
         return logits
 
@@ -161,7 +161,7 @@ def test_decode_steps_wider_than_every_graph_run_without_one(tiny_llama, monkeyp
 
 def test_graph_decode_steps_are_batch_invariant(tiny_llama):
     """Alone (padded to 2) and among 11 others (padded to 16), a request's tokens are the same."""
-    llm = _graph_engine(tiny_llama, max_num_seqs=16)
+    llm = graph_engine(tiny_llama, max_num_seqs=16)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ids = [[(37 * i + 11 * j) % 49000 + 3 for j in range(4 + 5 * i)] for i in range(12)]
     together = llm.generate(prompt_token_ids=ids, sampling_params=params)

@@ -99,6 +99,16 @@ def run_engine(llm: LLM, workload, plan) -> tuple[list[list[int]], list[str]]:
     return [r.output_token_ids for r in requests], [r.finish_reason.value for r in requests]
 
 
+def assert_reference_outputs(got: list[list[int]], reasons: list[str], expected: list[list[int]]) -> None:
+    """``got`` equals transformers' tokens, and each finish reason is the token-level one: EOS
+    (id 2) → stop, else the max_tokens limit → length."""
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g == e, f"request {i} (prompt {len(WORKLOAD[i][0])} tokens) differs"
+    for tokens, reason, (_, max_tokens) in zip(got, reasons, WORKLOAD):
+        assert reason == ("stop" if tokens[-1] == 2 else "length")
+        assert len(tokens) == max_tokens or tokens[-1] == 2
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -106,14 +116,8 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
     path = tiny_model_factory(family)
     kwargs, plan = SCENARIOS[scenario]
     llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, scheduling_policy=policy, **kwargs, **variant)
-    expected = reference_tokens(path, WORKLOAD)
     got, reasons = run_engine(llm, WORKLOAD, plan)
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"request {i} (prompt {len(WORKLOAD[i][0])} tokens) differs"
-    # Token-level finish reasons: EOS (id 2) → stop, else the max_tokens limit → length.
-    for tokens, reason, (_, max_tokens) in zip(got, reasons, WORKLOAD):
-        assert reason == ("stop" if tokens[-1] == 2 else "length")
-        assert len(tokens) == max_tokens or tokens[-1] == 2
+    assert_reference_outputs(got, reasons, reference_tokens(path, WORKLOAD))
     if scenario == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert_idle(llm.engine)

@@ -2,12 +2,13 @@
 # One run on a lent GPU machine (docs/development.md, "The GPU check"): the engine's tests on CUDA
 # (fidelity on every backend, compiled and eager, with and without CUDA graphs; the fast backend
 # against the reference one), then offline throughput (continuous vs static, CUDA graphs on; in the
-# SmolLM2 shape also with them off) and a step profile on random-weight models in the default
-# model's shape and in an 8B shape. The machine has torch/CUDA but no network and no model files:
+# SmolLM2 shape also with them off, and with async scheduling on) and a step profile on
+# random-weight models in the default model's shape and in an 8B shape. The machine has torch/CUDA but no network and no model files:
 # .whl carries the Python packages its image lacks or has in other versions, .gpu/smollm2-tokenizer
-# the tokenizer. Results go to $OUT. Stages (default: all): tests, small (SmolLM2 shape), large (8B).
+# the tokenizer. Results go to $OUT. Stages (default: all): tests, small (SmolLM2 shape), large (8B),
+# async (with small: the SmolLM2 shape again with --async-scheduling).
 set -uo pipefail
-STAGES=${1:-"tests small large"}
+STAGES=${1:-"tests small large async"}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
@@ -22,10 +23,10 @@ if [[ $STAGES == *tests* ]]; then
   timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -o addopts="" --maxfail=10 \
     tests/engine/test_attention_backends.py tests/engine/test_fidelity.py \
     tests/engine/test_engine_behaviour.py tests/engine/test_sampling_options.py tests/engine/test_async_engine.py \
-    tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py 2>&1 | tee $OUT/tests.log | tail -30
+    tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py 2>&1 | tee $OUT/tests.log | tail -30
 fi
 
-bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout]
+bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [async_timeout]
   local shape=$1
   stamp "random weights in the $shape shape"
   python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape $shape --out /tmp/$shape --device cuda || return
@@ -39,6 +40,12 @@ bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout]
       --workload seed-mix --num-requests 128 --seats 64 --max-num-batched-tokens 2048 --no-cuda-graphs \
       --kv-cache-memory 8GiB --no-progress --json $OUT/bench-$shape-64-no-graphs.json 2>&1 | grep -v Warning | tail -8
   fi
+  if [ "${5:-0}" != 0 ]; then
+    stamp "$shape, 64 seats: continuous (async scheduling) vs static"
+    timeout $5 python3 -m cluster.bench offline --model /tmp/$shape --device cuda --dtype bfloat16 \
+      --workload seed-mix --num-requests 128 --seats 64 --max-num-batched-tokens 2048 --async-scheduling \
+      --kv-cache-memory 8GiB --no-progress --json $OUT/bench-$shape-64-async.json 2>&1 | grep -v Warning | tail -8
+  fi
   if [ "$3" != 0 ]; then
     stamp "$shape, 64 seats: where a step's time goes"
     timeout $3 python3 -m cluster.bench profile --model /tmp/$shape --device cuda --dtype bfloat16 --seats 64 \
@@ -46,6 +53,7 @@ bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout]
   fi
   rm -rf /tmp/$shape
 }
-[[ $STAGES == *small* ]] && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-110} ${NO_GRAPHS_TIMEOUT:-120}
+[[ $STAGES == *small* ]] && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-110} ${NO_GRAPHS_TIMEOUT:-120} \
+  $([[ $STAGES == *async* ]] && echo ${ASYNC_TIMEOUT:-120} || echo 0)
 [[ $STAGES == *large* ]] && bench llama3-8b ${LARGE_TIMEOUT:-200} ${LARGE_PROFILE_TIMEOUT:-0}
 stamp done
