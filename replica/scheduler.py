@@ -75,6 +75,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self._newly_cached: list[int] = []  # the current schedule()'s SchedulerOutput.newly_cached
         self._released: list[str] = []  # requests that left the running batch (see take_released)
+        # Async scheduling: running requests the step in flight ends for sure (see schedule).
+        self._num_ending = 0
 
     # ---- queue state -----------------------------------------------------------------------
     @property
@@ -84,7 +86,8 @@ class Scheduler:
 
     @property
     def num_seats_taken(self) -> int:
-        return len(self.running)
+        """Seats held (padding rows counted), less those of requests the step in flight ends."""
+        return len(self.running) - self._num_ending
 
     @property
     def num_waiting(self) -> int:
@@ -171,6 +174,7 @@ class Scheduler:
 
         # 1. Running requests first, oldest first; preempt the newest when blocks run out.
         index = 0
+        self._num_ending = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.is_padding:
@@ -179,7 +183,11 @@ class Scheduler:
             cached = self._cached_prefix(request)  # a static batch member's first chunk
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
             num_new = min(self._known_or_pending(request) - start, budget)
-            if num_new <= 0:  # async: computed to its end by the step in flight, which ends it
+            if num_new <= 0:
+                # Async: the step in flight computes its last token and ends it when it is read,
+                # in this engine step: its seat (and persistent-batch row) go to a waiting request now.
+                self._num_ending += 1
+                self._released.append(request.request_id)
                 index += 1
                 continue
             target = start + num_new
@@ -206,7 +214,7 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS, while seats, budget and blocks allow.
         may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)
-        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while may_admit and self.waiting and budget > 0 and self.num_seats_taken < self.max_num_seqs:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
@@ -366,6 +374,7 @@ class Scheduler:
         preempted since the step was scheduled still gets its token (it is recomputed with it).
         """
         produced: list[Request] = []
+        self._num_ending = 0  # they end now
         for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             request = scheduled.request
             if scheduled.is_padding:

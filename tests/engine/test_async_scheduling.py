@@ -69,6 +69,26 @@ def test_a_step_outputs_come_out_of_the_next_call_and_a_length_end_costs_no_row(
         assert_idle(engine)
 
 
+def test_a_length_end_frees_its_seat_for_the_same_step(tiny_llama):
+    """A request whose pending token is sure to be its last gives its seat to a waiting request in
+    the step scheduled while that token is computed: with lengths known in advance (ignore_eos),
+    async scheduling takes exactly the steps of the synchronous engine, and each request ends in
+    the same step."""
+    prompts = [[random.Random(i).randrange(3, 49152) for _ in range(3 + 4 * i)] for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 6, 3, 9, 2, 5, 4)]
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=2, async_scheduling=overlap)
+        engine = llm.engine
+        requests = [engine.add_request(prompt_token_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished_requests():
+            engine.step()
+            assert engine.scheduler.num_seats_taken <= 2
+        runs[overlap] = (engine.scheduler.step_count, [(r.finish_step, r.output_token_ids) for r in requests])
+        assert_idle(engine)
+    assert runs[True] == runs[False]
+
+
 def _mixed_params(tokenizer, first_run: list[list[int]]) -> list[SamplingParams]:
     """One request each of: seeded sampling with top-p, penalties, min_tokens with a stop token
     id seen early, a stop string seen early, logprobs, prompt logprobs, a logit bias, n=2."""
