@@ -315,14 +315,15 @@ class LLMEngine:
         with record_function("carpool.detokenize"):
             for request in produced:
                 try:
-                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request))))
+                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request)), out.step))
                 except Exception as exc:
                     outputs.append(self._fail_request(request, exc))
         return outputs
 
-    def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None) -> StepOutput:
+    def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None, step: int) -> StepOutput:
         """Record the token just appended to ``request`` (none with ``max_tokens == 0``, whose
-        prefill just ended it): metrics, detokenizer, stop strings; prompt logprobs with the first."""
+        prefill just ended it) by step ``step``: metrics, detokenizer, stop strings; prompt logprobs
+        with the first."""
         metrics = self.metrics
         first = request.first_token_time is None
         scored_only = request.sampling_params.max_tokens == 0
@@ -344,7 +345,7 @@ class LLMEngine:
                 if request.is_finished:
                     request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
                 else:
-                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string)
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string, step)
         if request.is_finished:
             request.finished_time = now
             self._detokenizers.pop(request.request_id, None)

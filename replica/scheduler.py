@@ -118,9 +118,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(
-        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None, step: int | None = None
     ) -> Request | None:
-        """End a request now (abort, or a stop string found by the detokenizer).
+        """End a request now (abort, or a stop string found by the detokenizer in the token of
+        ``step``; default: the latest step scheduled).
 
         Its seat and blocks are free when this returns (static policy: a non-aborted member
         stays as padding until its batch ends). Returns the request, or None if unknown or
@@ -129,7 +130,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
-        self._finish(request, reason, stop_reason)
+        self._finish(request, reason, stop_reason, step)
         self._release_static_batch_if_done()
         return request
 

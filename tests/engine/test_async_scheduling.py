@@ -89,6 +89,26 @@ def test_a_length_end_frees_its_seat_for_the_same_step(tiny_llama):
     assert runs[True] == runs[False]
 
 
+def test_stop_ends_are_dated_to_the_step_of_their_token(tiny_llama):
+    """A request alone that ends on a stop token id or a stop string, read one step late, reports
+    the step that computed that token as its ``finish_step`` (as without async scheduling)."""
+    prompt = list(range(300, 320))
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, async_scheduling=overlap)
+        [free] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        tokens = free.outputs[0].token_ids
+        stops = [SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tokens[5]]),
+                 SamplingParams(temperature=0, max_tokens=20, stop=[llm.engine.tokenizer.decode(tokens[:6])[-2:]])]
+        runs[overlap] = []
+        for params in stops:  # (a stop costs async scheduling one thrown-away step: count from here)
+            first = llm.engine.scheduler.step_count + 1
+            [out] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+            assert out.outputs[0].finish_reason == "stop"
+            runs[overlap].append((out.outputs[0].token_ids, out.metrics["finish_step"] - first))
+    assert runs[True] == runs[False]
+
+
 def _mixed_params(tokenizer, first_run: list[list[int]]) -> list[SamplingParams]:
     """One request each of: seeded sampling with top-p, penalties, min_tokens with a stop token
     id seen early, a stop string seen early, logprobs, prompt logprobs, a logit bias, n=2."""
