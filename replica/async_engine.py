@@ -171,7 +171,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._close(request.request_id, finished)
+            self._close(request, finished)
 
     async def run(
         self,
@@ -205,15 +205,17 @@ class AsyncLLMEngine:
             finished = True
             raise
         finally:
-            self._close(request.request_id, finished)
+            self._close(request, finished)
 
-    def _close(self, request_id: str, finished: bool) -> None:
+    def _close(self, request: Request, finished: bool) -> None:
         """Forget a request's stream; abort it inside the engine unless it ``finished`` (ended,
-        or failed) first."""
+        or failed) first. The abort names this very request, not its id: a new request may
+        take the id before the loop reads the command, and must not be aborted or get this
+        one's final output."""
         if not finished:
-            self._commands.put(("abort", request_id))
+            self._commands.put(("abort_closed", request))
         with self._streams_lock:
-            self._streams.pop(request_id, None)
+            self._streams.pop(request.request_id, None)
 
     async def _submit(
         self,
@@ -302,6 +304,9 @@ class AsyncLLMEngine:
                 output = self.engine.abort(arg)
                 if output is not None:
                     self._deliver(arg, output)
+            elif command == "abort_closed":  # its caller is gone: nothing to deliver
+                if self.engine.scheduler.requests.get(arg.request_id) is arg:
+                    self.engine.abort(arg.request_id)
             elif command == "abort_all":
                 for request_id in list(self.engine.scheduler.requests):
                     if self.engine.abort(request_id) is not None:

@@ -388,7 +388,10 @@ class Scheduler:
             if not advanced:
                 request.num_computed_tokens += scheduled.num_new_tokens
             if not scheduled.samples:
-                if request.sampling_params.max_tokens == 0 and request.num_computed_tokens == request.num_tokens:
+                # The prompt's last chunk (not num_computed_tokens: with ``advanced`` it may count a
+                # later chunk still in flight).
+                ends_prompt = scheduled.start + scheduled.num_new_tokens == request.num_tokens
+                if request.sampling_params.max_tokens == 0 and ends_prompt:
                     produced.append(request)  # the prompt is prefilled (and scored): done, no token
                     self._finish(request, FinishReason.LENGTH, None, out.step)
                 continue

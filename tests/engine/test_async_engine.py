@@ -126,6 +126,24 @@ def test_async_cancelled_stream_aborts_the_request(async_engine):
     assert_idle(engine)
 
 
+def test_a_closed_stream_s_abort_spares_a_new_request_with_its_id(async_engine, base):
+    """A caller closes a stream mid-generation and at once sends a new request with the same id
+    (both before the loop reads the abort): the abort ends the old request only, so the new one
+    gets all its tokens and ends on its length, not with the old one's abort."""
+
+    async def main():
+        stream = async_engine.generate("reused", prompt_token_ids=PROMPT, sampling_params=greedy(max_tokens=900, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()  # queues the abort of the old request
+        return [d async for d in async_engine.generate("reused", prompt_token_ids=PROMPT, sampling_params=greedy(max_tokens=24))]
+
+    deltas = run(main())
+    assert [t for d in deltas for t in d.new_token_ids] == base[0]
+    assert deltas[-1].finish_reason == "length"
+    assert_idle(async_engine.engine)
+
+
 def test_async_server_side_abort_ends_the_stream_with_abort(async_engine):
     async def main():
         deltas = []

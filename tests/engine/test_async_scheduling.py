@@ -109,6 +109,21 @@ def test_stop_ends_are_dated_to_the_step_of_their_token(tiny_llama):
     assert runs[True] == runs[False]
 
 
+def test_a_prompt_scored_in_chunks_ends_on_its_last_chunk(tiny_llama):
+    """``max_tokens=0`` with prompt logprobs, prefilled in chunks of 16: the request ends when its
+    last chunk is read, not when the one before it is (the scheduler already counts the last
+    chunk then), and gets every prompt position's logprobs."""
+    prompt = list(range(100, 160))
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_batched_tokens=16, async_scheduling=overlap)
+        [out] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=1))
+        assert len(out.prompt_logprobs) == 60 and out.outputs[0].token_ids == []
+        runs[overlap] = (repr(out.prompt_logprobs), out.metrics["finish_step"])
+        assert_idle(llm.engine)
+    assert runs[True] == runs[False]
+
+
 def _mixed_params(tokenizer, first_run: list[list[int]]) -> list[SamplingParams]:
     """One request each of: seeded sampling with top-p, penalties, min_tokens with a stop token
     id seen early, a stop string seen early, logprobs, prompt logprobs, a logit bias, n=2."""
