@@ -13,6 +13,10 @@ kernel is not built (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the d
 torch.compile, ``compile=False`` eagerly. Compiled on CPU with Carpool's kernel, every step
 (decodes and prefill chunks) runs its attention as one decode query per token inside the graph
 (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
+
+A step is :meth:`ModelRunner.launch` (inputs and forward) then sampling: at once
+(:meth:`ModelRunner.execute`), or, with async scheduling, :meth:`ModelRunner.sample_later`, whose
+tokens stay on the device until the engine reads them a step later.
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chun
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.config import cache_dir
 from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
-from replica.input_batch import InputBatch, to_device
+from replica.input_batch import InputBatch, StepInputs, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.logprobs import token_logprobs
 from replica.model_loader import load_model, resolve_dtype
-from replica.input_batch import StepInputs
 from replica.request import RequestStatus
 from replica.sampler import Sampler, cpu_inversion
 from replica.scheduler_output import SchedulerOutput
