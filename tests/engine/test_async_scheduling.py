@@ -17,7 +17,7 @@ import pytest
 from replica import LLM, SamplingParams
 from tests.engine.test_cuda_graphs import graph_engine
 from tests.engine.test_fidelity import SCENARIOS, WORKLOAD, assert_reference_outputs, reference_tokens, run_engine
-from tests.helpers import ON_TEST_DEVICE, assert_idle
+from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
 # Module constants: reference_tokens caches by the workload's id().
 FIVE_TOKENS = [([5, 6, 7, 8], 5)]
@@ -235,8 +235,8 @@ def test_a_failed_launch_or_a_broken_sampler_ends_only_its_requests(tiny_llama, 
     away); the others give their reference tokens and nothing is left over."""
     from tests.engine.test_failures import PROMPTS, greedy, run_all, tokens_of
 
-    llm = LLM(model=tiny_llama, dtype="float32", max_num_seqs=3, block_size=16, num_blocks=32, max_model_len=128,
-              async_scheduling=True)
+    llm = LLM(model=tiny_llama, dtype="float32", device=TEST_DEVICE, max_num_seqs=3, block_size=16, num_blocks=32,
+              max_model_len=128, async_scheduling=True)
     engine = llm.engine
     reference = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy())]
     real_launch, calls = engine.runner.launch, []
