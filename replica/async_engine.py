@@ -42,8 +42,14 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError", "RequestF
 
 @dataclass
 class _Stream:
+    """Where a request's outputs go. ``added`` turns true when the loop thread has added
+    ``request`` to the engine: until then an output under the same id belongs to an earlier
+    request whose caller left (its abort still queued) and is not delivered here."""
+
     loop: asyncio.AbstractEventLoop
     queue: Any  # asyncio.Queue, or a _Sink: what has put_nowait(item)
+    request: Request | None = None
+    added: bool = False
 
 
 class _Sink:
@@ -235,6 +241,7 @@ class AsyncLLMEngine:
             request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
         else:
             request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        stream.request = request
         with self._streams_lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -274,8 +281,8 @@ class AsyncLLMEngine:
             self._error = exc
             with self._streams_lock:
                 streams = list(self._streams)
-            for request_id in streams:
-                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))
+            self._deliver_all([(request_id, EngineDeadError(f"engine loop died: {exc!r}")) for request_id in streams],
+                              to_unadded=True)
             return
         for request_id in list(engine.scheduler.requests):
             output = engine.abort(request_id)
@@ -299,7 +306,13 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_prepared_request(request)
                 except Exception as exc:  # refuse this request only; the loop goes on
-                    self._deliver(request.request_id, exc if isinstance(exc, ValueError) else ValueError(str(exc)))
+                    error = exc if isinstance(exc, ValueError) else ValueError(str(exc))
+                    self._deliver_all([(request.request_id, error)], to_unadded=True)
+                else:
+                    with self._streams_lock:
+                        stream = self._streams.get(request.request_id)
+                        if stream is not None and stream.request is request:
+                            stream.added = True
             elif command == "abort":
                 output = self.engine.abort(arg)
                 if output is not None:
@@ -315,16 +328,18 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item: StepOutput | BaseException) -> None:
         self._deliver_all([(request_id, item)])
 
-    def _deliver_all(self, items: list[tuple[str, StepOutput | BaseException]]) -> None:
+    def _deliver_all(self, items: list[tuple[str, StepOutput | BaseException]], *, to_unadded: bool = False) -> None:
         """Put each ``(request_id, item)`` on its request's stream, in order: one wake-up per event
         loop for all of them (a step's outputs come in one go, not one per request). An output
         with an error becomes :class:`RequestFailedError`; items of requests whose caller went
-        away are dropped (their abort is queued), as are those of a closed event loop."""
+        away are dropped (their abort is queued), as are those of a closed event loop, and (unless
+        ``to_unadded``) those for a stream whose request the loop has not added yet: they belong
+        to an earlier request with the same id."""
         puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput | BaseException]]] = {}
         with self._streams_lock:
             for request_id, item in items:
                 stream = self._streams.get(request_id)
-                if stream is None:
+                if stream is None or not (stream.added or to_unadded):
                     continue
                 if isinstance(item, StepOutput) and item.error is not None:
                     item = RequestFailedError(item.error)
