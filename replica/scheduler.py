@@ -145,7 +145,22 @@ class Scheduler:
         if self.policy == "static" and reason != FinishReason.ABORT and request in self.running:
             request.is_padding = True  # keeps its seat and blocks until the batch ends
             return
+        if reason != FinishReason.ABORT:  # an abort may follow a failed step: nothing to trust
+            self._cache_computed_blocks(request)
         self._remove(request)
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """At a request's stop or length end, register its full blocks whose K/V is computed (or
+        being computed by the step in flight: such a block joins that step's ``newly_cached``, so a
+        failure of the step drops it) and whose tokens are all known. Async scheduling needs it: a
+        block filled by a then-pending token waits for the next allocation (:meth:`_allocate`),
+        and a request that ends gets none. The synchronous engine has registered them already."""
+        bm = self.block_manager
+        full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * bm.block_size) // bm.block_size
+        if bm.enable_caching and full > request.num_cached_blocks:
+            self._hash_blocks(request, full)
+            self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
+            request.num_cached_blocks = full
 
     def _remove(self, request: Request) -> None:
         if request in self.running:

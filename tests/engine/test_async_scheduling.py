@@ -197,6 +197,24 @@ def test_structured_output_and_prefix_cache_hits_on_generated_blocks(tiny_llama)
     assert outputs[True][1][3] == "-"
 
 
+def test_the_block_a_request_s_last_computed_token_fills_is_cached(tiny_llama):
+    """A request whose last computed token fills a block (20 prompt + 29 output tokens: the 48th,
+    computed in its last step, was still pending when that step was scheduled) leaves that block
+    cached as the synchronous engine does, so a follow-up turn hits all 3 blocks."""
+    prompt = [random.Random(9).randrange(3, 49152) for _ in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=29, ignore_eos=True)
+    hits = {}
+    for overlap in (False, True):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=2, block_size=16,
+                  async_scheduling=overlap)
+        [first] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        before = llm.engine.scheduler.prefix_cache_hits
+        llm.generate(prompt_token_ids=[prompt + first.outputs[0].token_ids], sampling_params=params)
+        hits[overlap] = llm.engine.scheduler.prefix_cache_hits - before
+        assert_idle(llm.engine)
+    assert hits == {False: 48, True: 48}
+
+
 def test_abort_while_a_step_is_in_flight(tiny_llama):
     """Aborting a request whose step is in flight ends it at once (seat and blocks free); the
     others' tokens do not change, and nothing is left over."""
