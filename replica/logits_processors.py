@@ -24,7 +24,7 @@ import torch
 
 from replica.request import Request
 
-__all__ = ["apply_logit_bias", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p", "needs_penalties"]
+__all__ = ["apply_logit_bias", "apply_penalties", "apply_min_tokens", "min_tokens_banned", "apply_top_k_top_p", "apply_min_p", "needs_penalties"]
 
 
 def needs_penalties(request: Request) -> bool:
@@ -111,6 +111,19 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     return logits
 
 
+def min_tokens_banned(request: Request, vocab_size: int) -> list[int]:
+    """The token ids :func:`apply_min_tokens` sets to ``-inf`` for ``request`` this step (ids
+    below ``vocab_size``): its ``stop_token_ids``, and its EOS ids unless ``ignore_eos``, while it
+    has fewer than ``min_tokens`` output tokens; else none."""
+    p = request.sampling_params
+    if len(request.output_token_ids) >= p.min_tokens:
+        return []
+    banned = set(p.stop_token_ids or ())
+    if not p.ignore_eos:
+        banned.update(request.eos_token_ids)
+    return [t for t in banned if t < vocab_size]
+
+
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Mask EOS and stop token ids to ``-inf`` while ``len(output) < min_tokens``; in place.
 
@@ -123,13 +136,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     token_ids: list[int] = []
     vocab = logits.shape[-1]
     for i, r in enumerate(requests):
-        p = r.sampling_params
-        if len(r.output_token_ids) >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            banned.update(r.eos_token_ids)
-        banned = [t for t in banned if t < vocab]
+        banned = min_tokens_banned(r, vocab)
         row_ids.extend([i] * len(banned))
         token_ids.extend(banned)
     if row_ids:

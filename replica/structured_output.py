@@ -331,8 +331,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
             has no ``grammar`` are not touched.
         requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
     Returns:
-        The constrained rows, in order. A row left without any finite logit marks its grammar
-        ``dead_end`` (its request then ends with :data:`DEAD_END`).
+        The constrained rows, in order. A row whose constraint allows only tokens that
+        ``min_tokens`` bans (:func:`~replica.logits_processors.min_tokens_banned`: before the
+        mask, the only ``-inf`` logits) has no token left to sample: it marks its grammar
+        ``dead_end`` (its request then ends with :data:`DEAD_END`). That is found from the host's
+        bitmask, so the logits are never read back: with async scheduling, a step with
+        constrained rows is sampled without waiting for its forward, like any other.
 
     The bitmasks are filled on the CPU (llguidance computes them there) and unpacked by
     :func:`forbidden_tokens`, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is
@@ -341,12 +345,18 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return rows
+    import numpy as np
     import torch
+
+    from replica.logits_processors import min_tokens_banned
 
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    words = bitmask.numpy().view(np.uint32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, k)
+        if not _allows_any(words[k], vocab, min_tokens_banned(requests[i], vocab)):
+            requests[i].grammar.dead_end = True
     forbidden = forbidden_tokens(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:
         masked = logits.masked_fill_(forbidden, float("-inf"))
@@ -354,8 +364,17 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
         index = torch.tensor(rows, device=logits.device)
         masked = logits.index_select(0, index).masked_fill_(forbidden, float("-inf"))
         logits.index_copy_(0, index, masked)
-    # A row with no finite logit left (the constraint's tokens all banned by min_tokens or
-    # stop_token_ids) cannot sample: its request ends as a dead end, whatever token comes out.
-    for k in (masked == float("-inf")).all(dim=-1).nonzero().flatten().tolist():
-        requests[rows[k]].grammar.dead_end = True
     return rows
+
+
+def _allows_any(words, vocab_size: int, banned: Sequence[int]) -> bool:
+    """Whether a row's bitmask ``words`` (``[ceil(V / 32)]`` uint32, NumPy) allows a token below
+    ``vocab_size`` that is not in ``banned``."""
+    import numpy as np
+
+    left = words.copy()
+    if vocab_size % 32:
+        left[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)  # bits past the vocabulary
+    for t in banned:
+        left[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    return bool(left.any())

@@ -13,8 +13,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from replica import LLM, SamplingParams
+from replica.structured_output import DEAD_END, StructuredOutputsParams, forbidden_tokens
 from tests.engine.test_cuda_graphs import graph_engine
 from tests.engine.test_fidelity import SCENARIOS, WORKLOAD, assert_reference_outputs, reference_tokens, run_engine
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
@@ -213,6 +215,27 @@ def test_the_block_a_request_s_last_computed_token_fills_is_cached(tiny_llama):
         hits[overlap] = llm.engine.scheduler.prefix_cache_hits - before
         assert_idle(llm.engine)
     assert hits == {False: 48, True: 48}
+
+
+def test_a_structured_output_dead_end_ends_as_in_the_synchronous_engine(tiny_llama):
+    """``min_tokens`` bans every token a choice allows first: the request ends with ``abort`` and
+    DEAD_END after one token, found from the host's mask (no logits read back), its neighbour
+    untouched, as in the synchronous engine."""
+    outputs = {}
+    for overlap in (False, True):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, async_scheduling=overlap)
+        so = StructuredOutputsParams(choice=["yes"])
+        bitmask = torch.zeros(1, (llm.engine.vocab_size + 31) // 32, dtype=torch.int32)
+        llm.engine.grammar_compiler.compile(so).fill_bitmask(bitmask, 0)
+        allowed = (~forbidden_tokens(bitmask, llm.engine.vocab_size))[0].nonzero().flatten().tolist()
+        dead = SamplingParams(temperature=0, max_tokens=8, min_tokens=1, stop_token_ids=allowed, structured_outputs=so)
+        other = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        results = llm.generate(prompt_token_ids=[[5, 6, 7], [9, 10, 11]], sampling_params=[dead, other])
+        outputs[overlap] = [(c.token_ids, c.finish_reason, c.stop_reason) for o in results for c in o.outputs]
+        assert_idle(llm.engine)
+    assert outputs[True] == outputs[False]
+    [(tokens, reason, stop_reason), (_, other_reason, _)] = outputs[True]
+    assert reason == "abort" and stop_reason == DEAD_END and len(tokens) == 1 and other_reason == "length"
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama):

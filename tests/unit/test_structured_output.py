@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from replica.logits_processors import apply_min_tokens
 from replica.request import SamplingParams
 from replica.structured_output import (
     JSON_FORMAT,
@@ -242,14 +243,20 @@ class FakeGrammar:
     def __init__(self, ids: set[int]) -> None:
         self.ids = ids
         self.calls = 0
+        self.dead_end = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.calls += 1
         bitmask[row] = torch.tensor(pack(self.ids, bitmask.shape[1]), dtype=torch.int32)
 
 
-def rows_of(*grammars):
-    return [SimpleNamespace(grammar=g) for g in grammars]
+def rows_of(*grammars, params: SamplingParams | None = None, eos: tuple[int, ...] = (), num_output: int = 0):
+    """Requests (as the sampler sees them) with these grammars, ``num_output`` tokens generated."""
+    return [
+        SimpleNamespace(grammar=g, sampling_params=params or SamplingParams(), eos_token_ids=list(eos),
+                        output_token_ids=[1] * num_output)
+        for g in grammars
+    ]
 
 
 def test_apply_grammar_masks_with_hand_built_masks():
@@ -283,6 +290,31 @@ def test_apply_grammar_masks_when_every_row_is_constrained():
         assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == allowed
         keep = sorted(allowed)
         assert torch.equal(logits[row, keep], before[row, keep])
+
+
+@pytest.mark.parametrize("num_output", [0, 2], ids=["before-min-tokens", "after"])
+def test_a_dead_end_is_found_on_the_host_mask_without_reading_the_logits(num_output):
+    """Until ``min_tokens``, the EOS and stop token ids are banned: a constraint that allows only
+    those leaves no token (a dead end), one that allows another token too does not, and bits past
+    the vocabulary count for nothing. The logits live on the meta device, which cannot be read
+    back: the check uses the bitmask alone, so async scheduling never waits for a constrained
+    step's forward."""
+    vocab = 70
+    params = SamplingParams(min_tokens=2, stop_token_ids=[40])
+    only_banned, with_another, past_vocab = FakeGrammar({3, 40}), FakeGrammar({3, 40, 41}), FakeGrammar({40, 75, 95})
+    requests = rows_of(only_banned, None, with_another, past_vocab, params=params, eos=(3,), num_output=num_output)
+    logits = torch.empty(4, vocab, device="meta")
+    assert apply_grammar_masks(logits, requests) == [0, 2, 3]
+    dead = [r.grammar.dead_end for r in requests if r.grammar is not None]
+    assert dead == ([True, False, True] if num_output < 2 else [False, False, False])
+    # The same verdict as the logits give once min_tokens and the masks are applied: a dead row
+    # is one with every logit -inf.
+    requests = rows_of(*(FakeGrammar(g.ids) for g in (only_banned, with_another, past_vocab)), params=params, eos=(3,),
+                       num_output=num_output)
+    real = torch.randn(3, vocab)
+    apply_min_tokens(real, requests)
+    apply_grammar_masks(real, requests)
+    assert [r.grammar.dead_end for r in requests] == torch.isinf(real).all(dim=-1).tolist()
 
 
 def test_apply_grammar_masks_leaves_unconstrained_batches_untouched():
