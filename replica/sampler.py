@@ -53,6 +53,7 @@ from replica.logits_processors import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
+    min_tokens_banned,
     needs_penalties,
 )
 from replica.logprobs import token_logprobs
@@ -174,7 +175,7 @@ class Sampler:
             apply_penalties(work, requests)
             apply_min_tokens(work, requests)
             with record_function("carpool.grammar_masks"):
-                apply_grammar_masks(work, requests)
+                apply_grammar_masks(work, requests, lambda r: min_tokens_banned(r, vocab))
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         greedy = [r.sampling_params.temperature < GREEDY_TEMPERATURE_EPS for r in requests]

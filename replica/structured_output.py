@@ -323,17 +323,20 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size] == 0
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[int]:
+def apply_grammar_masks(
+    logits: torch.Tensor, requests: Sequence[Any], banned: Callable[[Any], Sequence[int]] | None = None
+) -> list[int]:
     """Set the logits of every token a row's constraint forbids to ``-inf``; in place.
 
     Args:
         logits: ``[num_rows, V]`` float; row ``i`` belongs to ``requests[i]``. Rows whose request
             has no ``grammar`` are not touched.
         requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
+        banned: ``banned(request)``: the token ids already at ``-inf`` in its row (the sampler
+            passes :func:`~replica.logits_processors.min_tokens_banned`); None: none.
     Returns:
-        The constrained rows, in order. A row whose constraint allows only tokens that
-        ``min_tokens`` bans (:func:`~replica.logits_processors.min_tokens_banned`: before the
-        mask, the only ``-inf`` logits) has no token left to sample: it marks its grammar
+        The constrained rows, in order. A row whose constraint allows only banned tokens has no
+        token left to sample: it marks its grammar
         ``dead_end`` (its request then ends with :data:`DEAD_END`). That is found from the host's
         bitmask, so the logits are never read back: with async scheduling, a step with
         constrained rows is sampled without waiting for its forward, like any other.
@@ -348,14 +351,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Any]) -> list[i
     import numpy as np
     import torch
 
-    from replica.logits_processors import min_tokens_banned
-
     vocab = logits.shape[-1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     words = bitmask.numpy().view(np.uint32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, k)
-        if not _allows_any(words[k], vocab, min_tokens_banned(requests[i], vocab)):
+        if not _allows_any(words[k], vocab, banned(requests[i]) if banned is not None else ()):
             requests[i].grammar.dead_end = True
     forbidden = forbidden_tokens(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:

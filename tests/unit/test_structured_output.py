@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replica.logits_processors import apply_min_tokens
+from replica.logits_processors import apply_min_tokens, min_tokens_banned
 from replica.request import SamplingParams
 from replica.structured_output import (
     JSON_FORMAT,
@@ -304,7 +304,7 @@ def test_a_dead_end_is_found_on_the_host_mask_without_reading_the_logits(num_out
     only_banned, with_another, past_vocab = FakeGrammar({3, 40}), FakeGrammar({3, 40, 41}), FakeGrammar({40, 75, 95})
     requests = rows_of(only_banned, None, with_another, past_vocab, params=params, eos=(3,), num_output=num_output)
     logits = torch.empty(4, vocab, device="meta")
-    assert apply_grammar_masks(logits, requests) == [0, 2, 3]
+    assert apply_grammar_masks(logits, requests, lambda r: min_tokens_banned(r, vocab)) == [0, 2, 3]
     dead = [r.grammar.dead_end for r in requests if r.grammar is not None]
     assert dead == ([True, False, True] if num_output < 2 else [False, False, False])
     # The same verdict as the logits give once min_tokens and the masks are applied: a dead row
@@ -313,7 +313,7 @@ def test_a_dead_end_is_found_on_the_host_mask_without_reading_the_logits(num_out
                        num_output=num_output)
     real = torch.randn(3, vocab)
     apply_min_tokens(real, requests)
-    apply_grammar_masks(real, requests)
+    apply_grammar_masks(real, requests, lambda r: min_tokens_banned(r, vocab))
     assert [r.grammar.dead_end for r in requests] == torch.isinf(real).all(dim=-1).tolist()
 
 
