@@ -88,9 +88,11 @@ def prepack_linears(model: torch.nn.Module) -> int:
     * other bfloat16 or float16 models where this CPU's oneDNN computes that type (float16 needs
       avx512_fp16 or avx_ne_convert): oneDNN on its own prepacked layout.
 
-    The original weight is released (an empty tensor of its dtype stays as ``weight``), unless
-    the input embedding shares it (a tied output embedding). Returns the number of layers packed:
-    0 where none of the above applies (the layers stay torch's own ``F.linear``).
+    The original weight is released (an empty tensor of its dtype stays as ``weight``). A tied
+    output embedding's weight is the input embedding's too: where its packed copy is Carpool's
+    layout, the input embedding reads its rows from that copy (:func:`_embed_from_packed`) and
+    the weight is released as well, else (oneDNN's layout) it stays. Returns the number of layers
+    packed: 0 where none of the above applies (the layers stay torch's own ``F.linear``).
     """
     from replica import cpu_kernels
 
@@ -129,18 +131,39 @@ def _pack_f32(module: torch.nn.Linear, weight: torch.Tensor) -> None:
 
 
 def _pack_each(model: torch.nn.Module, pack) -> int:
-    """``pack(module, weight)`` for every CPU ``nn.Linear``; then release its weight unless the
-    input embedding shares it. Returns the number packed."""
-    shared = {id(p) for p in model.get_input_embeddings().parameters()}
+    """``pack(module, weight)`` for every CPU ``nn.Linear``; then release its weight, unless the
+    input embedding shares it and cannot read the packed copy. Returns the number packed."""
+    embedding = model.get_input_embeddings()
     packed = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu":
             weight = module.weight.detach()
             pack(module, weight)
-            if id(module.weight) not in shared:  # the packed copies replace it (a tied one stays)
-                module.weight.data = weight.new_empty(0)
+            if module.weight is embedding.weight:  # a tied output embedding
+                rows = getattr(module, "carpool_f32_weight", None)
+                if rows is None:
+                    rows = getattr(module, "carpool_gemv_weight", None)
+                if rows is None or type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:
+                    packed += 1
+                    continue  # oneDNN's layout: the embedding keeps the weight
+                if rows.dim() == 4:  # pack_bf16_weight's k-pairs, each read as one 32-bit word
+                    rows = rows.view(torch.int32).squeeze(-1)
+                embedding.carpool_packed_rows = rows
+                embedding.forward = types.MethodType(_embed_from_packed, embedding)
+            module.weight.data = weight.new_empty(0)
             packed += 1
     return packed
+
+
+def _embed_from_packed(self: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding of a tied model, read from its output embedding's packed weight:
+    token ``t``'s row is output ``t`` of the packed linear, lane ``t % 16`` of panel ``t // 16``
+    (``carpool_packed_rows``: ``pack_f32_weight``'s ``[ceil(V / 16), K, 16]``, or
+    ``pack_bf16_weight``'s ``[ceil(V / 16), ceil(K / 2), 16, 2]`` viewed as ``[ceil(V / 16),
+    ceil(K / 2), 16]`` int32 k-pairs). The same values as ``weight[input_ids]``, in the weight's
+    dtype: ``input_ids`` ``[...]`` -> ``[..., K]``."""
+    rows = self.carpool_packed_rows[input_ids // 16, :, input_ids % 16]  # [..., K] or [..., K2] pairs
+    return rows.view(self.weight.dtype)[..., : self.embedding_dim]
 
 
 def use_compile_cache(directory: str) -> None:
