@@ -167,13 +167,17 @@ class BlockManager:
 
     def uncache(self, block_ids: Sequence[int]) -> int:
         """Take these blocks out of the prefix cache (their K/V may be half written: the step that
-        was to compute them failed); they stay owned. Returns how many were cached."""
+        was to compute them failed). Owned ones stay owned; a free one (its request ended while
+        the step ran) becomes a plain free block. Returns how many were cached."""
         dropped = 0
         for block_id in block_ids:
             block_hash = self._block_hash[block_id]
             if block_hash is not None:
                 del self._hash_to_block[block_hash]
                 self._block_hash[block_id] = None
+                if block_id in self._cached_free:
+                    del self._cached_free[block_id]
+                    self._free.append(block_id)
                 dropped += 1
         return dropped
 

@@ -77,6 +77,7 @@ class Scheduler:
         self._released: list[str] = []  # requests that left the running batch (see take_released)
         # Async scheduling: running requests the step in flight ends for sure (see schedule).
         self._num_ending = 0
+        self._in_flight: SchedulerOutput | None = None  # async: the step advanced and not yet read
 
     # ---- queue state -----------------------------------------------------------------------
     @property
@@ -150,13 +151,17 @@ class Scheduler:
         self._remove(request)
 
     def _cache_computed_blocks(self, request: Request) -> None:
-        """At a request's stop or length end, register its full blocks whose K/V is computed (or
-        being computed by the step in flight: such a block joins that step's ``newly_cached``, so a
-        failure of the step drops it) and whose tokens are all known. Async scheduling needs it: a
-        block filled by a then-pending token waits for the next allocation (:meth:`_allocate`),
-        and a request that ends gets none. The synchronous engine has registered them already."""
+        """At a request's stop or length end, register its full blocks whose tokens are all known
+        and whose K/V was computed by a step already read (not by the step in flight, whose
+        failure would leave them half written). Async scheduling needs it: a block filled by a
+        then-pending token waits for the next allocation (:meth:`_allocate`), and a request that
+        ends gets none. The synchronous engine has registered them already, so both cache the
+        same blocks."""
         bm = self.block_manager
-        full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * bm.block_size) // bm.block_size
+        computed = request.num_computed_tokens
+        if self._in_flight is not None:
+            computed -= sum(s.num_new_tokens for s in self._in_flight.scheduled if s.request is request)
+        full = min(computed, request.num_tokens, len(request.block_ids) * bm.block_size) // bm.block_size
         if bm.enable_caching and full > request.num_cached_blocks:
             self._hash_blocks(request, full)
             self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
@@ -372,6 +377,7 @@ class Scheduler:
         """Async scheduling, right after :meth:`schedule`: count the step's tokens as computed and
         its samples as pending, so that the next step can be scheduled before this one's tokens
         are known (then :meth:`update_from_output` with ``advanced=True``)."""
+        self._in_flight = out
         for scheduled in out.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
             scheduled.request.num_pending += scheduled.samples
@@ -391,6 +397,8 @@ class Scheduler:
         """
         produced: list[Request] = []
         self._num_ending = 0  # they end now
+        if self._in_flight is out:
+            self._in_flight = None  # read now
         for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             request = scheduled.request
             if scheduled.is_padding:

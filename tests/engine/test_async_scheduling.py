@@ -199,22 +199,40 @@ def test_structured_output_and_prefix_cache_hits_on_generated_blocks(tiny_llama)
     assert outputs[True][1][3] == "-"
 
 
-def test_the_block_a_request_s_last_computed_token_fills_is_cached(tiny_llama):
-    """A request whose last computed token fills a block (20 prompt + 29 output tokens: the 48th,
-    computed in its last step, was still pending when that step was scheduled) leaves that block
-    cached as the synchronous engine does, so a follow-up turn hits all 3 blocks."""
-    prompt = [random.Random(9).randrange(3, 49152) for _ in range(20)]
+@pytest.mark.parametrize("end", ["length", "stop"])
+def test_a_request_s_end_leaves_the_synchronous_engine_s_blocks_cached(tiny_llama, end):
+    """A 20-token prompt; its 48th token (position 47) fills block 3. A length end after 29 output
+    tokens: the 48th token, computed in the request's last step, was still pending when that step
+    was scheduled, and no later step registers its block; the end does, as the synchronous engine
+    has, so a follow-up turn hits all 3 blocks. A stop end on that 48th token: async scheduling
+    computes its K/V in the step in flight (the row is thrown away), which must not register the
+    block (the step may yet fail): 2 blocks, as in the synchronous engine, which never computes it."""
     params = SamplingParams(temperature=0, max_tokens=29, ignore_eos=True)
     hits = {}
     for overlap in (False, True):
         llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=2, block_size=16,
                   async_scheduling=overlap)
-        [first] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        for seed in range(20):  # a prompt whose 28th greedy token does not come earlier
+            prompt = [random.Random(seed).randrange(3, 49152) for _ in range(20)]
+            [first] = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+            output = first.outputs[0].token_ids
+            if output[27] not in output[:27]:
+                break
+        else:
+            pytest.fail("no prompt's 28th token was new")
+        follow_up = prompt + output
+        if end == "stop":
+            stop = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[output[27]], ignore_eos=True)
+            llm.engine.block_manager.reset_prefix_cache()
+            [first] = llm.generate(prompt_token_ids=[prompt], sampling_params=stop)
+            assert first.outputs[0].token_ids == output[:28] and first.outputs[0].finish_reason == "stop"
+            follow_up = prompt + output[:28] + [7]
         before = llm.engine.scheduler.prefix_cache_hits
-        llm.generate(prompt_token_ids=[prompt + first.outputs[0].token_ids], sampling_params=params)
+        llm.generate(prompt_token_ids=[follow_up], sampling_params=params)
         hits[overlap] = llm.engine.scheduler.prefix_cache_hits - before
         assert_idle(llm.engine)
-    assert hits == {False: 48, True: 48}
+    expected = 48 if end == "length" else 32
+    assert hits == {False: expected, True: expected}
 
 
 def test_a_structured_output_dead_end_ends_as_in_the_synchronous_engine(tiny_llama):

@@ -294,6 +294,19 @@ def test_uncache_and_reset():
     bm.check_integrity()
 
 
+def test_uncaching_a_freed_block_makes_it_a_plain_free_block():
+    """A step that filled a request's blocks fails after the request ended (its blocks are free
+    and cached): uncaching them leaves a consistent pool, and they are reused before cached ones."""
+    bm = cached_pool()
+    bm.free("a")  # blocks 0, 1, 2: free and cached
+    assert bm.uncache([1, 2]) == 2
+    bm.check_integrity()
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 1 and bm.cached_prefix(H[:3], 3) == [0]
+    bm.allocate("b", 20)  # 5 blocks: the 3 never used, then 1 and 2; block 0 stays cached
+    assert sorted(bm.block_table("b")) == [1, 2, 3, 4, 5] and bm.cached_prefix(H[:1], 1) == [0]
+    bm.check_integrity()
+
+
 def test_integrity_catches_cache_inconsistencies():
     bm = cached_pool()
     bm._hash_to_block[H[0]] = 5  # the table points at another block
