@@ -324,7 +324,7 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
 
 
 def apply_grammar_masks(
-    logits: torch.Tensor, requests: Sequence[Any], banned: Callable[[Any], Sequence[int]] | None = None
+    logits: torch.Tensor, requests: Sequence[Any], banned: Callable[[Any], Sequence[int]]
 ) -> list[int]:
     """Set the logits of every token a row's constraint forbids to ``-inf``; in place.
 
@@ -333,7 +333,7 @@ def apply_grammar_masks(
             has no ``grammar`` are not touched.
         requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
         banned: ``banned(request)``: the token ids already at ``-inf`` in its row (the sampler
-            passes :func:`~replica.logits_processors.min_tokens_banned`); None: none.
+            passes :func:`~replica.logits_processors.min_tokens_banned`).
     Returns:
         The constrained rows, in order. A row whose constraint allows only banned tokens has no
         token left to sample: it marks its grammar
@@ -356,7 +356,7 @@ def apply_grammar_masks(
     words = bitmask.numpy().view(np.uint32)
     for k, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, k)
-        if not _allows_any(words[k], vocab, banned(requests[i]) if banned is not None else ()):
+        if not _allows_any(words[k], vocab, banned(requests[i])):
             requests[i].grammar.dead_end = True
     forbidden = forbidden_tokens(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:
@@ -376,6 +376,7 @@ def _allows_any(words, vocab_size: int, banned: Sequence[int]) -> bool:
     left = words.copy()
     if vocab_size % 32:
         left[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)  # bits past the vocabulary
-    for t in banned:
-        left[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+    if len(banned):
+        ids = np.asarray(banned, dtype=np.int64)
+        np.bitwise_and.at(left, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
     return bool(left.any())

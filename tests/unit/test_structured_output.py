@@ -250,6 +250,10 @@ class FakeGrammar:
         bitmask[row] = torch.tensor(pack(self.ids, bitmask.shape[1]), dtype=torch.int32)
 
 
+def no_bans(request) -> list[int]:
+    return []
+
+
 def rows_of(*grammars, params: SamplingParams | None = None, eos: tuple[int, ...] = (), num_output: int = 0):
     """Requests (as the sampler sees them) with these grammars, ``num_output`` tokens generated."""
     return [
@@ -268,7 +272,7 @@ def test_apply_grammar_masks_with_hand_built_masks():
     a, b = FakeGrammar({0, 31, 32, 69}), FakeGrammar({40})
     requests = rows_of(None, a, None, b)
     logits_ptr = logits.data_ptr()
-    assert apply_grammar_masks(logits, requests) == [1, 3]
+    assert apply_grammar_masks(logits, requests, no_bans) == [1, 3]
     assert logits.data_ptr() == logits_ptr  # in place
     assert a.calls == b.calls == 1
     for row in (0, 2):
@@ -285,7 +289,7 @@ def test_apply_grammar_masks_when_every_row_is_constrained():
     logits = torch.randn(2, vocab)
     before = logits.clone()
     ids = ({3, 31, 64}, {0, 69})
-    assert apply_grammar_masks(logits, rows_of(*(FakeGrammar(i) for i in ids))) == [0, 1]
+    assert apply_grammar_masks(logits, rows_of(*(FakeGrammar(i) for i in ids)), no_bans) == [0, 1]
     for row, allowed in enumerate(ids):
         assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == allowed
         keep = sorted(allowed)
@@ -320,7 +324,7 @@ def test_a_dead_end_is_found_on_the_host_mask_without_reading_the_logits(num_out
 def test_apply_grammar_masks_leaves_unconstrained_batches_untouched():
     logits = torch.randn(3, 50)
     before = logits.clone()
-    assert apply_grammar_masks(logits, rows_of(None, None, None)) == []
+    assert apply_grammar_masks(logits, rows_of(None, None, None), no_bans) == []
     assert torch.equal(logits, before)
 
 
@@ -330,7 +334,7 @@ def test_apply_grammar_masks_with_real_matchers(compiler, smollm2_tokenizer):
     before = logits.clone()
     g = compiler.compile(YES_NO)
     requests = rows_of(None, g, None)
-    assert apply_grammar_masks(logits, requests) == [1]
+    assert apply_grammar_masks(logits, requests, no_bans) == [1]
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = yes_no_first_tokens(smollm2_tokenizer)
     assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == allowed
@@ -339,7 +343,7 @@ def test_apply_grammar_masks_with_real_matchers(compiler, smollm2_tokenizer):
     # After "ye", only "s" (and nothing else) may follow.
     assert g.accept(token_id(smollm2_tokenizer, "ye"))
     logits = before.clone()
-    apply_grammar_masks(logits, requests)
+    apply_grammar_masks(logits, requests, no_bans)
     assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == {token_id(smollm2_tokenizer, "s")}
 
 
