@@ -150,10 +150,9 @@ def test_bad_inputs_are_refused_with_a_reason():
 
 
 def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
-    """Every linear of a float32 model is packed and its weight released, the tied output
-    embedding's too: the input embedding then reads its rows from the packed copy, the very values
-    of the weight. The logits stay those of torch's own linears within float32 rounding; the
-    greedy token is the same."""
+    """Every linear of a float32 model is packed, its weight released (the tied output embedding
+    keeps the input embedding's), and the logits stay those of torch's own linears within float32
+    rounding; the greedy token is the same."""
     from transformers import AutoModelForCausalLM
 
     from replica.compilation import prepack_linears
@@ -162,11 +161,11 @@ def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert prepack_linears(model) == len(linears) > 0
-    assert all(m.weight.numel() == 0 for m in linears)
-    assert model.get_input_embeddings().weight.numel() == 0
+    tied = model.get_output_embeddings()
+    assert all(m.weight.numel() == 0 for m in linears if m is not tied)
+    assert tied.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     ids = torch.tensor([[5, 900, 31, 7000, 12, 40000, 3]])
     with torch.no_grad():
-        assert torch.equal(model.get_input_embeddings()(ids), reference.get_input_embeddings()(ids))
         got, expected = model(ids).logits, reference(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -195,29 +194,37 @@ def test_prepack_linears_routes_a_bf16_model_through_the_kernel_without_avx512_b
 
 @pytest.mark.parametrize(
     "pack, dtype",
-    [("pack_f32_weight", torch.float32), ("pack_f32_weight", torch.bfloat16), ("pack_bf16_weight", torch.bfloat16)],
+    [("pack_bf16_weight", torch.bfloat16), ("pack_f32_weight", torch.float32), ("pack_f32_weight", torch.bfloat16)],
 )
-def test_an_embedding_read_from_a_packed_weight_is_the_weight_s_rows(pack, dtype):
-    """Rows read from either packed layout (100 outputs: a partial last panel; 63 columns: an
-    odd K, which the bf16 layout pads) are the weight's rows bit for bit, for ids on both sides of
-    a panel's edge, in any shape of ids."""
-    from replica.compilation import _embed_from_packed, _pack_each
+def test_a_tied_embedding_reads_the_bf16_kernel_s_packed_weight(pack, dtype):
+    """A tied weight (100 outputs: a partial last panel; 63 columns: an odd K, which the bf16
+    layout pads) shared by the embedding and two linears: both linears are packed from the whole
+    weight. On the bf16 kernel's layout the weight is released and the embedding's rows, read
+    from the packed copy, are the weight's bit for bit, for ids on both sides of a panel's edge,
+    in any shape; on the float32 kernel's layout the embedding keeps the weight."""
+    from replica.compilation import _pack_each
 
     torch.manual_seed(0)
     weight = torch.randn(100, 63).to(dtype)
     model = torch.nn.Module()
     model.embedding = embedding = torch.nn.Embedding(100, 63, _weight=weight.clone())
     model.head = torch.nn.Linear(63, 100, bias=False, dtype=dtype)
-    model.head.weight = embedding.weight  # tied
+    model.head2 = torch.nn.Linear(63, 100, bias=False, dtype=dtype)
+    model.head.weight = model.head2.weight = embedding.weight  # tied
     model.get_input_embeddings = lambda: embedding
+    field = "carpool_gemv_weight" if pack == "pack_bf16_weight" else "carpool_f32_weight"
 
     def pack_head(module, w):
-        setattr(module, "carpool_f32_weight" if pack == "pack_f32_weight" else "carpool_gemv_weight", getattr(ops, pack)(w))
+        setattr(module, field, getattr(ops, pack)(w))
 
-    assert _pack_each(model, pack_head) == 1
-    assert embedding.weight.numel() == 0 and embedding.weight.dtype == dtype
+    assert _pack_each(model, pack_head) == 2
+    assert torch.equal(getattr(model.head2, field), getattr(ops, pack)(weight))
     ids = torch.tensor([[0, 15, 16, 17], [31, 32, 98, 99]])
-    got = _embed_from_packed(embedding, ids)
+    if pack == "pack_f32_weight":
+        assert embedding.weight.numel() == 100 * 63 and torch.equal(embedding(ids), weight[ids])
+        return
+    assert embedding.weight.numel() == 0
+    got = embedding(ids)
     assert got.dtype == dtype and got.shape == (2, 4, 63)
     assert torch.equal(got, weight[ids])
-    assert torch.equal(_embed_from_packed(embedding, ids[1]), weight[ids[1]])
+    assert torch.equal(embedding(ids[1]), weight[ids[1]])
