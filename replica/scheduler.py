@@ -161,11 +161,7 @@ class Scheduler:
         computed = request.num_computed_tokens
         if self._in_flight is not None:
             computed -= sum(s.num_new_tokens for s in self._in_flight.scheduled if s.request is request)
-        full = min(computed, request.num_tokens, len(request.block_ids) * bm.block_size) // bm.block_size
-        if bm.enable_caching and full > request.num_cached_blocks:
-            self._hash_blocks(request, full)
-            self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
-            request.num_cached_blocks = full
+        self._register_full_blocks(request, min(computed, request.num_tokens, len(request.block_ids) * bm.block_size))
 
     def _remove(self, request: Request) -> None:
         if request in self.running:
@@ -332,7 +328,13 @@ class Scheduler:
         request.block_ids = bm.block_table(request.request_id)
         # A block is registered once its tokens are known: one filled with a pending token
         # (async scheduling) waits for a later step's allocation.
-        full = min(num_tokens, request.num_tokens) // bm.block_size
+        self._register_full_blocks(request, min(num_tokens, request.num_tokens))
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register in the prefix cache ``request``'s blocks that ``num_tokens`` tokens fill, past
+        those already registered; they join the current step's ``newly_cached``."""
+        bm = self.block_manager
+        full = num_tokens // bm.block_size
         if bm.enable_caching and full > request.num_cached_blocks:
             self._hash_blocks(request, full)
             self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
