@@ -23,7 +23,7 @@ namespace {
 // so the group's packed weight is read from memory once and reused from L1/L2 for every row block.
 // Each output is the sum over k in ascending pairs, accumulated in float32 and rounded to bf16
 // once, whatever the number of rows: a row's result does not depend on its batch mates (the decode
-// attention kernel, cpu_kernels.cpp, keeps the same promise for a prompt's chunks). oneDNN's GEMM
+// attention kernel, cpu_attention.cpp, keeps the same promise for a prompt's chunks). oneDNN's GEMM
 // does not promise that: above 8 rows (where this kernel used to hand over to it), about one output in
 // 10,000 of SmolLM2's MLP down projection (K = 1,536) came out one bf16 step away from the same row
 // computed alone.

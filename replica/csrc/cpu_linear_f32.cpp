@@ -15,7 +15,7 @@
 // to 3 rows than among 4 or more, so a request's tokens depended on its batch. Figures, and the
 // script that measures them: docs/bench/cpu-speed.md, "One float32 kernel for AVX2 CPUs".
 // bfloat16 weights go through the same kernel where the CPU has no AVX512-BF16 (where it has,
-// cpu_kernels.cpp's vdpbf16ps kernel serves them): each panel row of 16 bf16 weights is widened to
+// cpu_linear_bf16.cpp's vdpbf16ps kernel serves them): each panel row of 16 bf16 weights is widened to
 // float32 in registers (a bf16 is the upper half of a float32), x is widened once per call, and
 // each output is rounded to bfloat16 once at the end (to nearest even, as torch rounds).
 // Half the weight bytes of float32; oneDNN's bf16 GEMM on such CPUs (AVX512 without BF16) is
