@@ -25,6 +25,7 @@ This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). Bac
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -194,13 +195,18 @@ def paged_attention_forward(
     Raises:
         RuntimeError: the layer has no cache (the model is not run through ``ModelRunner``).
         NotImplementedError: for attention variants this kernel does not implement
-            (logit soft-capping, attention sinks, a sliding window).
+            (logit soft-capping, attention sinks, a sliding window shorter than the layer's
+            ``carpool_max_model_len``, which :func:`set_max_model_len` gives: a window at least
+            that long covers every sequence and changes nothing).
     """
     if not hasattr(module, "carpool_key_cache"):
         raise RuntimeError(f"{ATTENTION_NAME} attention needs a KV cache (run the model through ModelRunner)")
-    for unsupported in ("softcap", "s_aux", "sliding_window"):
+    for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"{ATTENTION_NAME} does not support {unsupported}")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < getattr(module, "carpool_max_model_len", math.inf):
+        raise NotImplementedError(f"{ATTENTION_NAME} does not support a sliding window shorter than max_model_len")
     head_dim = query.shape[-1]
     scale = scaling if scaling is not None else head_dim**-0.5
     decode: DecodeStep | None = kwargs.get("carpool_decode")
@@ -239,6 +245,14 @@ def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list
     if attached != len(key_caches):
         raise ValueError(f"found {attached} attention layers for {len(key_caches)} KV caches")
     return attached
+
+
+def set_max_model_len(model: torch.nn.Module, max_model_len: int) -> None:
+    """Tell every attention layer with a cache the longest sequence it will see (tokens), so that
+    a sliding window at least that long is accepted (:func:`paged_attention_forward`)."""
+    for module in model.modules():
+        if hasattr(module, "carpool_key_cache"):
+            module.carpool_max_model_len = max_model_len
 
 
 def _is_attention(module: torch.nn.Module) -> bool:

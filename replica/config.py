@@ -85,7 +85,10 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(
         None,
         ge=2,
-        description="Prompt + output tokens per request at most; default the model's context length, capped by the KV pool.",
+        description=(
+            "Prompt + output tokens per request at most; default the model's context length, capped by "
+            "the KV pool and by the model's sliding window if it has one (a larger value is refused there)."
+        ),
     )
     attention_backend: Literal["auto", "reference", "cpu", "cuda"] = Field(
         "auto",

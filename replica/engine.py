@@ -78,7 +78,10 @@ class LLMEngine:
         )
         pool_tokens = self.runner.num_blocks * cfg.block_size
         context = self.runner.shape.max_position_embeddings or pool_tokens
-        self.max_model_len = cfg.max_model_len or min(context, pool_tokens)
+        # Carpool's attention has no sliding window: a model with one is served where the window
+        # covers every sequence (then it changes no token), by default up to the window.
+        window = self.runner.shape.sliding_window
+        self.max_model_len = cfg.max_model_len or min(context, pool_tokens, window or context)
         if self.max_model_len > pool_tokens:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the KV pool ({self.runner.num_blocks} blocks "
@@ -86,9 +89,14 @@ class LLMEngine:
             )
         if self.max_model_len > context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {context}")
-        window = getattr(self.runner.shape, "sliding_window", None)
-        if window:
-            raise ValueError("sliding-window attention models are not supported yet")
+        if window and not cfg.max_model_len and window < min(context, pool_tokens):
+            logger.warning("max_model_len is %d, the model's sliding window (its context: %d)", window, context)
+        if window and self.max_model_len > window:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} tokens: "
+                f"Carpool's attention has no sliding window, so it serves this model with max_model_len up to "
+                f"{window}, where the window covers every sequence"
+            )
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

@@ -16,13 +16,16 @@ import torch
 @dataclass
 class ModelShape:
     """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``;
-    ``num_heads`` query heads attend to them."""
+    ``num_heads`` query heads attend to them. ``sliding_window``: the shortest attention window of
+    any layer, in tokens (a query at position ``i`` sees keys ``j > i - sliding_window``, as
+    transformers masks it), or None where every layer attends to its whole context."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int | None
+    sliding_window: int | None = None
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -36,7 +39,19 @@ def model_shape(hf_config) -> ModelShape:
         num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        sliding_window=_sliding_window(text),
     )
+
+
+def _sliding_window(text_config) -> int | None:
+    """The config's ``sliding_window`` where some layer uses it: every layer (Mistral, Phi-3), or
+    those that ``layer_types`` names ``"sliding_attention"`` (Gemma 3). Configs that turn it off
+    (Qwen2's ``use_sliding_window=False``) set it to None themselves."""
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
 
 
 def kv_bytes_per_block(

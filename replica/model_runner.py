@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step
+from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step, set_max_model_len
 from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chunks
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.config import cache_dir
@@ -163,8 +163,10 @@ class ModelRunner:
             self.backend.pad_shapes = value
 
     def init_batch(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens)."""
+        """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens), and
+        give the attention layers ``max_model_len`` (:func:`set_max_model_len`)."""
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot)
+        set_max_model_len(self.model, max_model_len)
         if self.use_cuda_graphs:
             self.enable_decode_graphs(capture=True)
 

@@ -1,4 +1,5 @@
-"""Tiny random-weight models (Llama, Qwen2, Qwen3) saved as ordinary model folders.
+"""Tiny random-weight models (Llama, Qwen2, Qwen3; Mistral and Gemma 3 with a sliding window of
+``SLIDING_WINDOW`` tokens) saved as ordinary model folders.
 
 Each folder holds a config, random weights and the SmolLM2 tokenizer (vocabulary 49152), so the
 engine loads it through the same code path as a real model and text tests work.
@@ -35,8 +36,11 @@ TINY = dict(
 )
 
 
+SLIDING_WINDOW = 160  # tokens: past the fidelity workload's longest sequence (130)
+
+
 def _config(family: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if family == "llama":
         return LlamaConfig(**TINY)
@@ -44,6 +48,13 @@ def _config(family: str):
         return Qwen2Config(**TINY, use_sliding_window=False)
     if family == "qwen3":
         return Qwen3Config(**TINY, head_dim=16, use_sliding_window=False)
+    if family == "mistral":  # every layer windowed
+        return MistralConfig(**TINY, sliding_window=SLIDING_WINDOW)
+    if family == "gemma3":  # windowed and global layers in turn
+        return Gemma3TextConfig(
+            **TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+        )
     raise ValueError(family)
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
+from replica.attention import paged_attention_forward
+from tests.engine.conftest import SLIDING_WINDOW
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
 NUM_PROMPTS = 16
@@ -168,6 +170,31 @@ def test_third_family_qwen3(tiny_model_factory, variant):
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == expected
     assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("variant", [dict(attention_backend="auto", compile=True), dict(attention_backend="reference", compile=False)],
+                         ids=["fast-compiled", "reference-eager"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_model_is_served_within_its_window(tiny_model_factory, family, variant):
+    """Mistral (every layer) and Gemma 3 (every other layer) attend through a sliding window,
+    which Carpool's attention does not implement. Such a model is served with max_model_len up to
+    the window (the default), where the window covers every sequence: the tokens equal
+    transformers' (which applies the window). Past it, the engine refuses to start, and the
+    attention hook refuses a window shorter than the layer's max_model_len."""
+    path = tiny_model_factory(family)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=32, **variant)
+    assert llm.engine.max_model_len == SLIDING_WINDOW
+    got, _ = run_engine(llm, WORKLOAD, None)
+    assert got == reference_tokens(path, WORKLOAD)
+    assert_idle(llm.engine)
+
+    layer = next(m for m in llm.engine.runner.model.modules() if hasattr(m, "carpool_key_cache"))
+    layer.carpool_max_model_len = SLIDING_WINDOW + 1
+    empty = torch.empty(1, 1, 0, 16)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        paged_attention_forward(layer, empty, empty, empty, None, sliding_window=SLIDING_WINDOW)
+    with pytest.raises(ValueError, match=f"sliding window of {SLIDING_WINDOW} tokens"):
+        LLM(model=path, dtype="float32", **ON_TEST_DEVICE, num_blocks=32, max_model_len=SLIDING_WINDOW + 1)
 
 
 def test_batch_invariance(tiny_llama, variant):
