@@ -247,6 +247,32 @@ def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list
     return attached
 
 
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse, before any step runs, a model whose attention layers need what
+    :func:`paged_attention_forward` does not implement: logit soft-capping (the layer's
+    ``attn_logit_softcapping``, as in Gemma 2) or attention sinks (a ``sinks`` parameter, as in
+    GPT-OSS). transformers passes these to the attention function only when a forward runs, which
+    an eager engine's warm-up does not do.
+
+    Raises:
+        ValueError: naming the model type and what its attention needs.
+    """
+    for module in model.modules():
+        if not _is_attention(module):
+            continue
+        needs = []
+        if getattr(module, "attn_logit_softcapping", None) is not None:
+            needs.append(f"logit soft-capping ({module.attn_logit_softcapping})")
+        if getattr(module, "sinks", None) is not None:
+            needs.append("attention sinks")
+        if needs:
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise ValueError(
+                f"{model_type}: its attention needs {' and '.join(needs)}, which Carpool's attention "
+                f"does not implement"
+            )
+
+
 def set_max_model_len(model: torch.nn.Module, max_model_len: int) -> None:
     """Tell every attention layer with a cache the longest sequence it will see (tokens), so that
     a sliding window at least that long is accepted (:func:`paged_attention_forward`)."""

@@ -108,12 +108,11 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
         self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        if self.warm_up_report:
-            logger.info(
-                "engine warm-up: %s",
-                ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
-                          for key, value in self.warm_up_report.items()),
-            )
+        logger.info(
+            "engine warm-up: %s",
+            ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
+                      for key, value in self.warm_up_report.items()),
+        )
         self.eos_token_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, on_compile=metrics.on_grammar_compiled if metrics is not None else None

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step, set_max_model_len
+from replica.attention import (
+    DecodeStep, attach_kv_cache, check_supported, register_paged_attention, running_step, set_max_model_len,
+)
 from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chunks
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.config import cache_dir
@@ -95,6 +97,7 @@ class ModelRunner:
         self.model = load_model(
             model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention()
         )
+        check_supported(self.model)
         self.shape = model_shape(self.model.config)
         self.hf_config = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it

@@ -40,7 +40,7 @@ SLIDING_WINDOW = 160  # tokens: past the fidelity workload's longest sequence (1
 
 
 def _config(family: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if family == "llama":
         return LlamaConfig(**TINY)
@@ -55,6 +55,8 @@ def _config(family: str):
             **TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention", "full_attention"],
         )
+    if family == "gemma2":  # logit soft-capping in attention (which Carpool refuses)
+        return Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW)
     raise ValueError(family)
 
 

@@ -29,7 +29,7 @@ def test_the_kernels_build_where_a_compiler_is():
     """A build failure would silently cost the engine its fast paths: make it a test failure."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    assert BUILT, "replica/csrc/cpu_kernels.cpp failed to build (see the warning logged by cpu_kernels.load)"
+    assert BUILT, "the kernels in replica/csrc/ failed to build (see the warning logged by cpu_kernels.load)"
 
 
 @needs_kernels
