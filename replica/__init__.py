@@ -4,7 +4,8 @@ Public entry points: :class:`LLM` (offline), :class:`LLMEngine` (step level),
 :class:`AsyncLLMEngine` (asyncio streaming, used by the Serve replica), :class:`SamplingParams`.
 """
 
-from replica.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams, StepOutput
+from replica.request import CompletionOutput, FinishReason, RequestOutput, StepOutput
+from replica.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -32,7 +32,8 @@ from replica.engine import LLMEngine
 from replica.engine_stats import EngineStats
 from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.metrics import EngineMetrics
-from replica.request import Request, SamplingParams, StepOutput, merge_queued
+from replica.request import Request, StepOutput, merge_queued
+from replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from replica.config import EngineConfig
 from replica.delta_channel import DeltaChannels
 from replica.errors import ReplicaOverloadedError
 from replica.logs import log_refusals_in_one_line, log_through_serve
-from replica.request import SamplingParams, StepOutput
+from replica.request import StepOutput
+from replica.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from replica.request import SamplingParams
+from replica.sampling_params import SamplingParams
 
 __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer"]
 

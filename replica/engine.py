@@ -22,11 +22,13 @@ from replica.config import EngineConfig
 from replica.block_manager import BlockManager
 from replica.detokenizer import IncrementalDetokenizer
 from replica.engine_stats import EngineStats
+from replica.kv_sizing import decide_max_model_len
 from replica.metrics import EngineMetrics
 from replica.model_loader import load_tokenizer, resolve_model_path
 from replica.model_runner import ModelRunner
-from replica.request import FinishReason, Request, SamplingParams, StepOutput, TokenLogprobs
+from replica.request import FinishReason, Request, StepOutput, TokenLogprobs
 from replica.request_builder import build_request, eos_token_ids
+from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 from replica.scheduler_output import SchedulerOutput
 from replica.step_result import InFlight, StepResult
@@ -76,27 +78,9 @@ class LLMEngine:
             cuda_graphs=cfg.cuda_graphs,
             max_num_seqs=cfg.max_num_seqs,
         )
-        pool_tokens = self.runner.num_blocks * cfg.block_size
-        context = self.runner.shape.max_position_embeddings or pool_tokens
-        # Carpool's attention has no sliding window: a model with one is served where the window
-        # covers every sequence (then it changes no token), by default up to the window.
-        window = self.runner.shape.sliding_window
-        self.max_model_len = cfg.max_model_len or min(context, pool_tokens, window or context)
-        if self.max_model_len > pool_tokens:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the KV pool ({self.runner.num_blocks} blocks "
-                f"× {cfg.block_size} = {pool_tokens} tokens); raise kv_cache_memory/num_blocks or lower max_model_len"
-            )
-        if self.max_model_len > context:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {context}")
-        if window and not cfg.max_model_len and window < min(context, pool_tokens):
-            logger.warning("max_model_len is %d, the model's sliding window (its context: %d)", window, context)
-        if window and self.max_model_len > window:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} tokens: "
-                f"Carpool's attention has no sliding window, so it serves this model with max_model_len up to "
-                f"{window}, where the window covers every sequence"
-            )
+        self.max_model_len = decide_max_model_len(
+            cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size
+        )
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,

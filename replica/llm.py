@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from replica.config import EngineConfig
 from replica.engine import LLMEngine
-from replica.request import CompletionOutput, RequestOutput, SamplingParams
+from replica.request import CompletionOutput, RequestOutput
+from replica.sampling_params import SamplingParams
 
 
 class LLM:

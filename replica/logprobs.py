@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from replica.request import SamplingParams, TokenLogprobs
+from replica.request import TokenLogprobs
+from replica.sampling_params import SamplingParams
 
 # Rows per log-softmax: a long prompt's rows in float32 ([rows, V] × 4 bytes, 200 MB for 1,000
 # rows of a 50k vocabulary) are worked through in slices of this many.

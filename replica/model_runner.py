@@ -36,6 +36,7 @@ from replica.config import cache_dir
 from replica.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.input_batch import InputBatch, StepInputs, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
+from replica.kv_sizing import decide_num_blocks
 from replica.logprobs import token_logprobs
 from replica.model_loader import load_model, resolve_dtype
 from replica.request import RequestStatus
@@ -47,7 +48,6 @@ __all__ = ["ModelRunner", "PendingTokens", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 # On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
 # than the same rows among 4 to 300, which agree: where Carpool's float32 kernel (batch-invariant)
@@ -64,7 +64,7 @@ class ModelRunner:
         dtype, device: as in ``EngineConfig``.
         block_size: tokens per block.
         num_blocks / kv_cache_memory: the pool size in blocks, or a byte budget (see
-            :meth:`_decide_num_blocks`).
+            :func:`~replica.kv_sizing.decide_num_blocks`).
         attention_backend: ``auto`` (the device's fast backend), ``reference``, ``cpu`` or ``cuda``.
         compile: torch.compile the decoder layers (see :mod:`replica.compilation`).
         cuda_graphs: on CUDA with ``compile``, replay decode-only steps from CUDA graphs
@@ -101,7 +101,14 @@ class ModelRunner:
         self.shape = model_shape(self.model.config)
         self.hf_config = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
-        self.num_blocks = self._decide_num_blocks(num_blocks, kv_cache_memory, gpu_memory_utilization)
+        shape = self.shape
+        per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        graph_reserve = graph_memory_reserve(
+            max_num_seqs, shape.max_position_embeddings or MAX_GRAPH_CONTEXT, shape.num_heads, self.vocab_size
+        ) if self.use_cuda_graphs else 0
+        self.num_blocks = decide_num_blocks(
+            num_blocks, kv_cache_memory, gpu_memory_utilization, per_block, self.device, reserve=graph_reserve
+        )
         # Padding tokens write their K/V into one extra block that no block table holds.
         self.padding_slot = self.num_blocks * block_size
         self.kv_cache = PagedKVCache(
@@ -193,40 +200,6 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """The request left the running batch (finished, aborted or preempted)."""
         self.input_batch.forget(request_id)
-
-    def _decide_num_blocks(
-        self, num_blocks: int | None, kv_cache_memory: int | None, gpu_memory_utilization: float
-    ) -> int:
-        """Blocks in the pool: ``num_blocks`` if given, else ``budget // bytes_per_block``.
-
-        The budget is ``kv_cache_memory`` if given; else 1 GiB on CPU, and on CUDA
-        ``gpu_memory_utilization × total − memory in use after loading the model`` (vLLM's rule),
-        less the CUDA graphs' reserve (:func:`~replica.cuda_graphs.graph_memory_reserve`).
-        Raises ``ValueError`` if the budget holds no block.
-        """
-        if num_blocks is not None:
-            return num_blocks
-        per_block = kv_bytes_per_block(
-            self.shape.num_layers, self.block_size, self.shape.num_kv_heads, self.shape.head_dim, self.dtype
-        )
-        budget = kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(total * gpu_memory_utilization) - (total - free)
-                if self.use_cuda_graphs:
-                    budget -= graph_memory_reserve(
-                        self.max_num_seqs, self.shape.max_position_embeddings or MAX_GRAPH_CONTEXT,
-                        self.shape.num_heads, self.vocab_size,
-                    )
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        blocks = budget // per_block
-        if blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no KV block ({per_block} bytes per block)"
-            )
-        return int(blocks)
 
     @torch.inference_mode()
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from replica.request import Request, SamplingParams
+from replica.request import Request
+from replica.sampling_params import SamplingParams
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

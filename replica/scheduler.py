@@ -32,9 +32,8 @@ from typing import Literal
 
 from replica.block_manager import BlockManager
 from replica.prefix_hash import extend_block_hashes
-from replica.request import FinishReason, Request, RequestStatus
+from replica.request import FinishReason, Request, RequestStatus, check_stop
 from replica.scheduler_output import ScheduledRequest, SchedulerOutput
-from replica.structured_output import DEAD_END
 
 SchedulingPolicy = Literal["continuous", "static"]
 
@@ -423,25 +422,8 @@ class Scheduler:
             assert token_id is not None
             request.output_token_ids.append(token_id)
             produced.append(request)
-            reason, stop_reason = self._check_stop(request, token_id)
+            reason, stop_reason = check_stop(request, token_id, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason, stop_reason, out.step)
         self._release_static_batch_if_done()
         return produced
-
-    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | str | None]:
-        params = request.sampling_params
-        if request.grammar is not None:  # structured output: complete, or a dead end
-            if not request.grammar.accept(token_id):
-                return FinishReason.ABORT, DEAD_END
-            if request.grammar.is_finished:
-                return FinishReason.STOP, None
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return FinishReason.STOP, None
-            if token_id in params.stop_token_ids:
-                return FinishReason.STOP, token_id
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
-

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from ray.exceptions import RayActorError
 
 from replica.errors import EngineDeadError
-from replica.request import SamplingParams
+from replica.sampling_params import SamplingParams
 from router.delta_receiver import ConnectionLost, DeltaReceiver, ReplicaUnreachable
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 from ray.serve.handle import DeploymentHandle
 
-from replica.request import SamplingParams, StepOutput
+from replica.request import StepOutput
+from replica.sampling_params import SamplingParams
 from router.choice_stream import ChoiceStream, cancel, cancel_all, replica_gone
 from router.delta_receiver import DeltaReceiver, ReplicaUnreachable, on_call_end, queued_deltas
 from router.errors import StreamError, replica_error

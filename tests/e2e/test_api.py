@@ -45,7 +45,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def offline_greedy(offline, ids: list[int], max_tokens: int):
-    from replica.request import SamplingParams
+    from replica.sampling_params import SamplingParams
 
     [out] = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens))
     return out.outputs[0]

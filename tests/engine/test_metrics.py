@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from replica.engine import LLMEngine
 from replica.metrics import EngineMetrics
-from replica.request import SamplingParams
+from replica.sampling_params import SamplingParams
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 LABELS = {"model_name": "tiny", "replica": "r0"}

@@ -9,7 +9,8 @@ use) unless a test gives one.
 from __future__ import annotations
 
 from replica.block_manager import BlockManager
-from replica.request import Request, SamplingParams
+from replica.request import Request
+from replica.sampling_params import SamplingParams
 from replica.scheduler import Scheduler
 from replica.scheduler_output import SchedulerOutput
 

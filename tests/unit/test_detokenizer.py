@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 
 from replica.detokenizer import IncrementalDetokenizer
-from replica.request import SamplingParams
+from replica.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",

@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from replica.input_batch import InputBatch, to_device
-from replica.request import Request, SamplingParams
+from replica.request import Request
+from replica.sampling_params import SamplingParams
 from replica.scheduler_output import ScheduledRequest
 
 

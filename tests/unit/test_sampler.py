@@ -17,7 +17,8 @@ from transformers.generation.logits_process import (
 )
 
 from replica import sampler as sampler_module
-from replica.request import Request, SamplingParams
+from replica.request import Request
+from replica.sampling_params import SamplingParams
 from replica.logits_processors import (
     apply_logit_bias,
     apply_min_p,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replica.logits_processors import apply_min_tokens, min_tokens_banned
-from replica.request import SamplingParams
+from replica.sampling_params import SamplingParams
 from replica.structured_output import (
     JSON_FORMAT,
     KINDS,
