@@ -35,6 +35,7 @@ import torch
 from transformers import AttentionInterface
 
 from replica.decode_attention import decode_step_attention
+from replica.model_support import is_attention
 
 ATTENTION_NAME = "carpool_paged"
 
@@ -174,6 +175,27 @@ def _(query, key, value, key_cache, value_cache, scale):
     return torch.empty_like(query)
 
 
+# Keyword arguments transformers' layers pass to the attention function that do not change plain
+# causal attention in inference (``dropout`` is applied only in training; the model's own forward
+# arguments reach it too). Any other argument that is not None or False asks for attention this
+# kernel does not compute.
+IGNORED_ARGUMENTS = frozenset({
+    "carpool_decode", "sliding_window", "is_causal", "position_ids", "cache_position", "use_cache",
+    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "layer_idx",
+    "deterministic",
+})
+
+
+def _check_attention_arguments(attention_mask: torch.Tensor | None, kwargs: dict) -> None:
+    if attention_mask is not None:
+        raise NotImplementedError(f"{ATTENTION_NAME} does not support an attention mask or bias of the model's own")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError(f"{ATTENTION_NAME} computes causal attention only")
+    unsupported = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in IGNORED_ARGUMENTS)
+    if unsupported:
+        raise NotImplementedError(f"{ATTENTION_NAME} does not support {', '.join(unsupported)}")
+
+
 def paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -194,16 +216,17 @@ def paged_attention_forward(
         ``([1, num_tokens, num_heads, head_dim], None)``.
     Raises:
         RuntimeError: the layer has no cache (the model is not run through ``ModelRunner``).
-        NotImplementedError: for attention variants this kernel does not implement
-            (logit soft-capping, attention sinks, a sliding window shorter than the layer's
-            ``carpool_max_model_len``, which :func:`set_max_model_len` gives: a window at least
+        NotImplementedError: for attention this kernel does not implement: an attention mask
+            (the engine's models get None: a mask means the model adds a bias or a pattern of its
+            own, as ALiBi does), ``is_causal=False``, any keyword argument outside
+            ``IGNORED_ARGUMENTS`` that is not None or False (logit soft-capping, sinks, position biases,
+            sparse indices, ...), or a sliding window shorter than the layer's
+            ``carpool_max_model_len``, which :func:`set_max_model_len` gives (a window at least
             that long covers every sequence and changes nothing).
     """
     if not hasattr(module, "carpool_key_cache"):
         raise RuntimeError(f"{ATTENTION_NAME} attention needs a KV cache (run the model through ModelRunner)")
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"{ATTENTION_NAME} does not support {unsupported}")
+    _check_attention_arguments(attention_mask, kwargs)
     window = kwargs.get("sliding_window")
     if window is not None and window < getattr(module, "carpool_max_model_len", math.inf):
         raise NotImplementedError(f"{ATTENTION_NAME} does not support a sliding window shorter than max_model_len")
@@ -236,7 +259,7 @@ def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list
     attached = 0
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
-        if isinstance(layer, int) and hasattr(module, "config") and _is_attention(module):
+        if isinstance(layer, int) and hasattr(module, "config") and is_attention(module):
             if not 0 <= layer < len(key_caches):
                 raise ValueError(f"attention layer {layer} has no KV cache ({len(key_caches)} layers)")
             module.carpool_key_cache = key_caches[layer]
@@ -247,42 +270,12 @@ def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list
     return attached
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Refuse, before any step runs, a model whose attention layers need what
-    :func:`paged_attention_forward` does not implement: logit soft-capping (the layer's
-    ``attn_logit_softcapping``, as in Gemma 2) or attention sinks (a ``sinks`` parameter, as in
-    GPT-OSS). transformers passes these to the attention function only when a forward runs, which
-    an eager engine's warm-up does not do.
-
-    Raises:
-        ValueError: naming the model type and what its attention needs.
-    """
-    for module in model.modules():
-        if not _is_attention(module):
-            continue
-        needs = []
-        if getattr(module, "attn_logit_softcapping", None) is not None:
-            needs.append(f"logit soft-capping ({module.attn_logit_softcapping})")
-        if getattr(module, "sinks", None) is not None:
-            needs.append("attention sinks")
-        if needs:
-            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-            raise ValueError(
-                f"{model_type}: its attention needs {' and '.join(needs)}, which Carpool's attention "
-                f"does not implement"
-            )
-
-
 def set_max_model_len(model: torch.nn.Module, max_model_len: int) -> None:
     """Tell every attention layer with a cache the longest sequence it will see (tokens), so that
     a sliding window at least that long is accepted (:func:`paged_attention_forward`)."""
     for module in model.modules():
         if hasattr(module, "carpool_key_cache"):
             module.carpool_max_model_len = max_model_len
-
-
-def _is_attention(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("Attention")
 
 
 def register_paged_attention() -> str:

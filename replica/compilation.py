@@ -74,7 +74,8 @@ def _f32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
-    """Route every ``nn.Linear`` of ``model`` through a prepacked copy of its weight.
+    """Route every ``nn.Linear`` of ``model`` through a prepacked copy of its weight (not a
+    subclass with a forward of its own: :func:`_pack_each`).
 
     * float32, with Carpool's CPU kernels built on a CPU with AVX2 and FMA: Carpool's float32
       kernel (``replica/csrc/cpu_linear_f32.cpp``, weight from ``pack_f32_weight``), faster than
@@ -131,13 +132,15 @@ def _pack_f32(module: torch.nn.Linear, weight: torch.Tensor) -> None:
 
 
 def _pack_each(model: torch.nn.Module, pack) -> int:
-    """``pack(module, weight)`` for every CPU ``nn.Linear``; then release the weights, except a
+    """``pack(module, weight)`` for every CPU ``nn.Linear`` that computes ``nn.Linear``'s own
+    forward (a subclass with a forward of its own, such as a MoE router that also picks experts or
+    a head that scales its output, keeps it); then release the weights, except a
     tied output embedding's where the input embedding cannot read the packed copy. Returns the
     number packed."""
     embedding = model.get_input_embeddings()
     packed: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu":
+        if _plain_linear(module) and module.weight.device.type == "cpu":
             weight = module.weight.detach()
             pack(module, weight)
             packed.append((module, weight))
@@ -146,6 +149,10 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
             continue
         module.weight.data = weight.new_empty(0)
     return len(packed)
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
 def _embed_from(embedding: torch.nn.Module, head: torch.nn.Linear) -> bool:

@@ -27,9 +27,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from replica.attention import (
-    DecodeStep, attach_kv_cache, check_supported, register_paged_attention, running_step, set_max_model_len,
-)
+from replica.attention import DecodeStep, attach_kv_cache, register_paged_attention, running_step, set_max_model_len
 from replica.attention_backends import CpuBackend, ReferenceBackend, inline_chunks
 from replica.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.config import cache_dir
@@ -38,6 +36,7 @@ from replica.input_batch import InputBatch, StepInputs, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.kv_sizing import decide_num_blocks
 from replica.logprobs import token_logprobs
+from replica.model_support import check_supported
 from replica.model_loader import load_model, resolve_dtype
 from replica.request import RequestStatus
 from replica.sampler import Sampler, cpu_inversion

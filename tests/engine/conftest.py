@@ -1,5 +1,6 @@
 """Tiny random-weight models (Llama, Qwen2, Qwen3; Mistral and Gemma 3 with a sliding window of
-``SLIDING_WINDOW`` tokens) saved as ordinary model folders.
+``SLIDING_WINDOW`` tokens; Gemma 2 and GPT-OSS, which the engine refuses) saved as ordinary model
+folders.
 
 Each folder holds a config, random weights and the SmolLM2 tokenizer (vocabulary 49152), so the
 engine loads it through the same code path as a real model and text tests work.
@@ -57,6 +58,11 @@ def _config(family: str):
         )
     if family == "gemma2":  # logit soft-capping in attention (which Carpool refuses)
         return Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW)
+    if family == "gpt_oss":  # attention sinks (which Carpool refuses)
+        from transformers import GptOssConfig
+
+        tiny = {k: v for k, v in TINY.items() if k != "tie_word_embeddings"}
+        return GptOssConfig(**tiny, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=SLIDING_WINDOW)
     raise ValueError(family)
 
 

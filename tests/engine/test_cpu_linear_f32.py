@@ -171,6 +171,32 @@ def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+def test_a_linear_layer_with_a_forward_of_its_own_keeps_it():
+    """PhiMoE's router is an ``nn.Linear`` whose forward also picks each token's experts: it is not
+    packed (replacing its forward broke every step), the plain linears are, and the logits stay
+    those of the unpacked model within float32 rounding."""
+    from transformers import AutoModelForCausalLM, PhimoeConfig
+
+    from replica.compilation import prepack_linears
+
+    torch.manual_seed(0)
+    config = PhimoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(reference.state_dict())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    routers = [m for m in linears if type(m).forward is not torch.nn.Linear.forward]
+    assert routers and prepack_linears(model) == len(linears) - len(routers) > 0
+    assert all(r.weight.numel() > 0 and not hasattr(r, "carpool_f32_weight") for r in routers)
+    ids = torch.tensor([[5, 90, 31, 70, 12, 200, 3]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.skipif(cpu_kernels.has_bf16_gemv(), reason="with AVX512-BF16, Carpool's vdpbf16ps kernel serves bf16")
 def test_prepack_linears_routes_a_bf16_model_through_the_kernel_without_avx512_bf16(tiny_llama):
     """Without AVX512-BF16 (oneDNN's bf16 GEMM is slow there and batch-variant), every linear of a

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.attention import check_supported, paged_attention_forward
+from replica.attention import paged_attention_forward
 from tests.engine.conftest import SLIDING_WINDOW
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
@@ -195,28 +195,6 @@ def test_a_sliding_window_model_is_served_within_its_window(tiny_model_factory, 
         paged_attention_forward(layer, empty, empty, empty, None, sliding_window=SLIDING_WINDOW)
     with pytest.raises(ValueError, match=f"sliding window of {SLIDING_WINDOW} tokens"):
         LLM(model=path, dtype="float32", **ON_TEST_DEVICE, num_blocks=32, max_model_len=SLIDING_WINDOW + 1)
-
-
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_a_model_whose_attention_needs_soft_capping_is_refused_at_start(tiny_model_factory, compile):
-    """Gemma 2 soft-caps its attention logits, which Carpool's attention does not implement. The
-    engine refuses it at start, compiled or not (an eager warm-up runs no forward: the model used
-    to start and then fail every step)."""
-    with pytest.raises(ValueError, match=r"gemma2: its attention needs logit soft-capping \(50.0\)"):
-        LLM(model=tiny_model_factory("gemma2"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=compile)
-
-
-def test_a_model_with_attention_sinks_is_refused():
-    """GPT-OSS adds a learned sink to each head's softmax, which Carpool's attention does not
-    implement; its layers are refused before a KV cache is allocated."""
-    from transformers import AutoModelForCausalLM, GptOssConfig
-
-    config = GptOssConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
-    )
-    with pytest.raises(ValueError, match="gpt_oss: its attention needs attention sinks"):
-        check_supported(AutoModelForCausalLM.from_config(config))
 
 
 def test_batch_invariance(tiny_llama, variant):

@@ -21,7 +21,7 @@ python3 -c "import replica.attention_cuda as a; print('flashinfer', a.flashinfer
 if [[ $STAGES == *tests* ]]; then
   stamp "engine tests on CUDA"
   timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -o addopts="" --maxfail=10 \
-    tests/engine/test_attention_backends.py tests/engine/test_fidelity.py \
+    tests/engine/test_attention_backends.py tests/engine/test_fidelity.py tests/engine/test_model_support.py \
     tests/engine/test_engine_behaviour.py tests/engine/test_sampling_options.py tests/engine/test_async_engine.py \
     tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py 2>&1 | tee $OUT/tests.log | tail -30
 fi

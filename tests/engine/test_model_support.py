@@ -1,0 +1,109 @@
+"""Models whose layers need what Carpool's cache and attention do not implement are refused at
+start with a clear error, never served with wrong tokens (replica/model_support.py, and the
+attention function's own check of what each layer passes it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica import LLM
+from replica.attention import IGNORED_ARGUMENTS, paged_attention_forward
+from replica.model_support import check_supported
+from tests.engine.conftest import _config
+from tests.helpers import ON_TEST_DEVICE
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _refused_configs():
+    import transformers as t
+
+    return {
+        "gpt_oss sinks": (_config("gpt_oss"), "gpt_oss: its attention needs attention sinks"),
+        "falcon alibi": (t.FalconConfig(**SMALL, alibi=True), "falcon: its attention needs ALiBi position biases"),
+        "llama4 chunked": (
+            t.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, head_dim=16, num_local_experts=2),
+            "llama4_text: its attention needs layers of type chunked_attention and attention temperature tuning",
+        ),
+        "llama4 unchunked": (
+            t.Llama4TextConfig(**SMALL, intermediate_size_mlp=64, head_dim=16, num_local_experts=2, attention_chunk_size=None),
+            "llama4_text: its attention needs attention temperature tuning",
+        ),
+        "deepseek_v32 sparse": (t.DeepseekV32Config(**SMALL), "layers of type indexed_attention"),
+        "falcon_h1 hybrid": (t.FalconH1Config(**SMALL), r"layers of type hybrid and a state carried between steps \(FalconH1Mixer\)"),
+        "qwen3_next linear attention": (t.Qwen3NextConfig(**SMALL), "layers of type linear_attention"),
+        "mamba": (t.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2), r"a state carried between steps \(MambaMixer\)"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_refused_configs()))
+def test_a_model_that_needs_more_than_causal_attention_over_the_paged_cache_is_refused(case):
+    """Chunked, sparse, linear or hybrid SSM layers, ALiBi, Llama 4's temperature tuning and
+    attention sinks each make Carpool's tokens wrong (or fail every step); each is named."""
+    from transformers import AutoModelForCausalLM
+
+    config, message = _refused_configs()[case]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=message):
+        check_supported(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3", "falcon", "phimoe"])
+def test_models_carpool_serves_are_not_refused(family):
+    """The families the fidelity tests serve, plus Falcon without ALiBi and PhiMoE (whose router is
+    a linear layer with a forward of its own), pass the check."""
+    import transformers as t
+    from transformers import AutoModelForCausalLM
+
+    extra = {"falcon": lambda: t.FalconConfig(**SMALL), "phimoe": lambda: t.PhimoeConfig(**SMALL, num_local_experts=4)}
+    config = extra[family]() if family in extra else _config(family)
+    with torch.device("meta"):
+        check_supported(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_model_whose_attention_needs_soft_capping_is_refused_at_start(tiny_model_factory, compile):
+    """Gemma 2 soft-caps its attention logits, which Carpool's attention does not implement. The
+    engine refuses it at start, compiled or not."""
+    with pytest.raises(ValueError, match=r"gemma2: its attention needs logit soft-capping \(50.0\)"):
+        LLM(model=tiny_model_factory("gemma2"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=compile)
+
+
+def test_an_eager_engine_runs_a_forward_at_start_so_an_unknown_attention_argument_fails_there(tiny_model_factory, monkeypatch):
+    """The attention function refuses what it does not compute, and an eager engine runs one
+    forward in its warm-up, so a model the start-time check let through still fails at start
+    rather than in every step. Here GPT-OSS, with the check switched off, passes its sinks."""
+    import replica.model_runner
+
+    monkeypatch.setattr(replica.model_runner, "check_supported", lambda model: None)
+    with pytest.raises(NotImplementedError, match="carpool_paged does not support s_aux"):
+        LLM(model=tiny_model_factory("gpt_oss"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=False)
+
+
+class _Layer(torch.nn.Module):
+    carpool_key_cache = carpool_value_cache = torch.empty(0)
+
+
+@pytest.mark.parametrize(
+    "mask, kwargs, message",
+    [
+        (torch.zeros(1, 1, 2, 2), {}, "an attention mask or bias"),
+        (None, {"is_causal": False}, "causal attention only"),
+        (None, {"softcap": 50.0}, "does not support softcap"),
+        (None, {"s_aux": torch.zeros(4)}, "does not support s_aux"),
+        (None, {"sinks": torch.zeros(1, 4, 2, 1)}, "does not support sinks"),
+        (None, {"position_bias": torch.zeros(1, 4, 2, 2)}, "does not support position_bias"),
+        (None, {"indices": torch.zeros(1, 2, 2, dtype=torch.long), "new_kwarg": 1, "off": False}, "does not support indices, new_kwarg$"),
+    ],
+    ids=["mask", "not-causal", "softcap", "s_aux", "sinks", "position_bias", "indices"],
+)
+def test_the_attention_function_refuses_what_it_does_not_compute(mask, kwargs, message):
+    """Anything a layer passes that would change plain causal attention is refused, including
+    arguments transformers may add later; the arguments it ignores are harmless in inference."""
+    empty = torch.empty(1, 4, 2, 16)
+    with pytest.raises(NotImplementedError, match=message):
+        paged_attention_forward(_Layer(), empty, empty, empty, mask, **kwargs)
+    assert {"position_ids", "use_cache", "carpool_decode", "sliding_window"} <= IGNORED_ARGUMENTS
+    assert not {"softcap", "s_aux", "sinks", "position_bias", "indices", "attention_mask"} & IGNORED_ARGUMENTS
