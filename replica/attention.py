@@ -35,7 +35,6 @@ import torch
 from transformers import AttentionInterface
 
 from replica.decode_attention import decode_step_attention
-from replica.model_support import is_attention
 
 ATTENTION_NAME = "carpool_paged"
 
@@ -181,8 +180,8 @@ def _(query, key, value, key_cache, value_cache, scale):
 # kernel does not compute.
 IGNORED_ARGUMENTS = frozenset({
     "carpool_decode", "sliding_window", "is_causal", "position_ids", "cache_position", "use_cache",
-    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "layer_idx",
-    "deterministic",
+    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "logits_to_keep",
+    "layer_idx", "deterministic",
 })
 
 
@@ -251,20 +250,18 @@ def paged_attention_forward(
 
 
 def attach_kv_cache(model: torch.nn.Module, key_caches: list, value_caches: list) -> int:
-    """Give every attention layer of ``model`` (the modules with a ``layer_idx``) its K/V cache
-    tensors. Returns the number of layers attached.
+    """Give every attention layer of ``model`` (:func:`cache_layers`) its K/V cache tensors. Returns the number of layers attached.
 
     Raises ``ValueError`` if the model's layer indices do not match the caches.
     """
     attached = 0
-    for module in model.modules():
-        layer = getattr(module, "layer_idx", None)
-        if isinstance(layer, int) and hasattr(module, "config") and is_attention(module):
-            if not 0 <= layer < len(key_caches):
-                raise ValueError(f"attention layer {layer} has no KV cache ({len(key_caches)} layers)")
-            module.carpool_key_cache = key_caches[layer]
-            module.carpool_value_cache = value_caches[layer]
-            attached += 1
+    for module in cache_layers(model):
+        layer = module.layer_idx
+        if not 0 <= layer < len(key_caches):
+            raise ValueError(f"attention layer {layer} has no KV cache ({len(key_caches)} layers)")
+        module.carpool_key_cache = key_caches[layer]
+        module.carpool_value_cache = value_caches[layer]
+        attached += 1
     if attached != len(key_caches):
         raise ValueError(f"found {attached} attention layers for {len(key_caches)} KV caches")
     return attached
@@ -276,6 +273,21 @@ def set_max_model_len(model: torch.nn.Module, max_model_len: int) -> None:
     for module in model.modules():
         if hasattr(module, "carpool_key_cache"):
             module.carpool_max_model_len = max_model_len
+
+
+def is_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers attention layer (its class name ends in ``Attention``)."""
+    return type(module).__name__.endswith("Attention")
+
+
+def cache_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's attention layers, which get a KV cache: attention modules with an integer
+    ``layer_idx`` and a ``config`` (a multimodal model's vision or audio attention has no
+    ``layer_idx``)."""
+    return [
+        m for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "config") and is_attention(m)
+    ]
 
 
 def register_paged_attention() -> str:

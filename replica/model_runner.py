@@ -36,7 +36,7 @@ from replica.input_batch import InputBatch, StepInputs, to_device
 from replica.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.kv_sizing import decide_num_blocks
 from replica.logprobs import token_logprobs
-from replica.model_support import check_supported
+from replica.model_support import check_supported, probe_attention
 from replica.model_loader import load_model, resolve_dtype
 from replica.request import RequestStatus
 from replica.sampler import Sampler, cpu_inversion
@@ -126,6 +126,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
         self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
+        if not probe_attention(self):  # the layers drop the DecodeStep: plan every step on the backend
+            self.backend.inline_decode = False
+            self.use_cuda_graphs = False
         if compile:
             use_compile_cache(str(cache_dir() / "inductor"))
             compile_decoder(self.model)

@@ -29,14 +29,11 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
       of the compiled decoder that steps take are compiled (or loaded from the compile cache)
       before the first request: the decode graph, and the graph of steps whose prefill chunks go
       through the opaque attention op where they do (on CPU without Carpool's kernel; on CUDA).
-      Without compile: run one dummy step. Either way a model whose layers pass attention
-      arguments Carpool does not implement fails here (``NotImplementedError``), at start.
     * With CUDA graphs: capture every decode bucket (``DecodeGraphs.capture_all``).
     * Give the host memory freed so far back to the OS (:func:`replica.heap.release_freed_heap`;
       ``heap_released_mib`` in the report).
 
-    Raises ``RuntimeError`` if a CUDA graph capture fails (the message names ``--no-cuda-graphs``),
-    ``NotImplementedError`` from :func:`replica.attention.paged_attention_forward`.
+    Raises ``RuntimeError`` if a CUDA graph capture fails (the message names ``--no-cuda-graphs``).
     """
     report: dict[str, float] = {}
     if runner.pad_steps:
@@ -48,8 +45,6 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
         for query_lens in ([1, 1], [2, 1], [1, 1, 1], [2, 1, 1]):
             _dummy_step(runner, query_lens, len(query_lens))
         report["compile_s"] = time.perf_counter() - started
-    else:  # one forward, so that attention a model needs and Carpool lacks fails now, not in a step
-        _dummy_step(runner, [2, 1], 2)
     if runner.graphs is not None and runner.graphs.capture_graphs:
         try:
             report.update(runner.graphs.capture_all())

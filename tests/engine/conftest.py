@@ -1,6 +1,6 @@
 """Tiny random-weight models (Llama, Qwen2, Qwen3; Mistral and Gemma 3 with a sliding window of
-``SLIDING_WINDOW`` tokens; Gemma 2 and GPT-OSS, which the engine refuses) saved as ordinary model
-folders.
+``SLIDING_WINDOW`` tokens; Falcon, whose layers drop attention arguments; Gemma 2, GPT-OSS,
+DiffLlama and DeepSeek V3, which the engine refuses) saved as ordinary model folders.
 
 Each folder holds a config, random weights and the SmolLM2 tokenizer (vocabulary 49152), so the
 engine loads it through the same code path as a real model and text tests work.
@@ -58,6 +58,21 @@ def _config(family: str):
         )
     if family == "gemma2":  # logit soft-capping in attention (which Carpool refuses)
         return Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=SLIDING_WINDOW)
+    if family == "falcon":  # its attention layers do not pass transformers' attention arguments on
+        from transformers import FalconConfig
+
+        return FalconConfig(**{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")})
+    if family == "diffllama":  # calls attention twice per layer (which Carpool refuses)
+        from transformers import DiffLlamaConfig
+
+        return DiffLlamaConfig(**TINY)
+    if family == "deepseek_v3":  # multi-head latent attention: values narrower than keys (refused)
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            **TINY, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+        )
     if family == "gpt_oss":  # attention sinks (which Carpool refuses)
         from transformers import GptOssConfig
 

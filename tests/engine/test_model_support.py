@@ -11,7 +11,7 @@ from replica import LLM
 from replica.attention import IGNORED_ARGUMENTS, paged_attention_forward
 from replica.model_support import check_supported
 from tests.engine.conftest import _config
-from tests.helpers import ON_TEST_DEVICE
+from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -34,6 +34,7 @@ def _refused_configs():
         "falcon_h1 hybrid": (t.FalconH1Config(**SMALL), r"layers of type hybrid and a state carried between steps \(FalconH1Mixer\)"),
         "qwen3_next linear attention": (t.Qwen3NextConfig(**SMALL), "layers of type linear_attention"),
         "mamba": (t.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2), r"a state carried between steps \(MambaMixer\)"),
+        "bert encoder": (t.BertConfig(**SMALL), r"bert: its attention needs bidirectional attention \(an encoder"),
     }
 
 
@@ -71,15 +72,65 @@ def test_a_model_whose_attention_needs_soft_capping_is_refused_at_start(tiny_mod
         LLM(model=tiny_model_factory("gemma2"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=compile)
 
 
-def test_an_eager_engine_runs_a_forward_at_start_so_an_unknown_attention_argument_fails_there(tiny_model_factory, monkeypatch):
-    """The attention function refuses what it does not compute, and an eager engine runs one
-    forward in its warm-up, so a model the start-time check let through still fails at start
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_an_attention_argument_the_check_let_through_fails_at_start(tiny_model_factory, monkeypatch, compile):
+    """The attention function refuses what it does not compute, and every engine runs one forward
+    at start (``probe_attention``), so a model the config check let through still fails at start
     rather than in every step. Here GPT-OSS, with the check switched off, passes its sinks."""
     import replica.model_runner
 
     monkeypatch.setattr(replica.model_runner, "check_supported", lambda model: None)
     with pytest.raises(NotImplementedError, match="carpool_paged does not support s_aux"):
-        LLM(model=tiny_model_factory("gpt_oss"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=False)
+        LLM(model=tiny_model_factory("gpt_oss"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=compile)
+
+
+@pytest.mark.parametrize(
+    "family, message",
+    [
+        ("diffllama", "diffllama: its attention layers call attention 2 times in a step"),
+        ("deepseek_v3", r"deepseek_v3: its attention layers give queries of head size 24, keys of \(4, 24\) and values of \(4, 16\)"),
+    ],
+)
+def test_a_model_whose_layers_call_attention_in_a_way_the_cache_cannot_hold_is_refused_at_start(tiny_model_factory, family, message):
+    """DiffLlama attends twice per layer with two halves of its values (the second would overwrite
+    the first's cache); DeepSeek V3's latent attention gives values narrower than keys, while the
+    cache holds one head size (sized from ``head_dim``)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_model_factory(family), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=False)
+
+
+def test_a_layer_that_computes_attention_itself_is_refused(tiny_llama):
+    """A layer that does not call the attention interface (here one told to use SDPA) would never
+    write its K/V into the cache: the probe finds it."""
+    import copy
+
+    from replica.model_support import probe_attention
+
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, num_blocks=32, max_model_len=128, compile=False)
+    runner = llm.engine.runner
+    assert probe_attention(runner)
+    layer = next(m for m in runner.model.modules() if hasattr(m, "carpool_key_cache"))
+    layer.config = copy.copy(layer.config)
+    layer.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="llama: its attention layers compute attention themselves"):
+        probe_attention(runner)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_model_whose_layers_drop_attention_arguments_attends_through_the_backend(tiny_model_factory, compile, caplog):
+    """Falcon's attention layers do not pass transformers' attention arguments on, so the decode
+    step the compiled model traces (``carpool_decode``) never reaches them; its steps then all go
+    through the backend, and its greedy tokens equal transformers' (a compiled engine used to fail
+    every step)."""
+    from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
+
+    path = tiny_model_factory("falcon")
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, max_num_batched_tokens=32, compile=compile)
+    assert llm.engine.runner.backend.inline_decode is False
+    assert "do not pass on transformers' attention arguments" in caplog.text
+    got, _ = run_engine(llm, WORKLOAD, None)
+    assert got == reference_tokens(path, WORKLOAD)
+    assert_idle(llm.engine)
 
 
 class _Layer(torch.nn.Module):
