@@ -142,7 +142,8 @@ def serve(
     max_request_body_bytes: Optional[str] = typer.Option(None, help="Largest request body, bytes or with a unit (1MiB); larger: 413 (default: 8MiB)."),
     shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", help="Seconds in-flight requests may take to finish on SIGTERM/Ctrl-C before they are ended (default: 30)."),
 ) -> None:
-    """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)."""
+    """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)
+    and Prometheus metrics (/metrics)."""
     try:
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
     except ValueError as exc:

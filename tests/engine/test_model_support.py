@@ -121,7 +121,7 @@ def test_a_model_whose_layers_drop_attention_arguments_attends_through_the_backe
     """Falcon's attention layers do not pass transformers' attention arguments on, so the decode
     step the compiled model traces (``carpool_decode``) never reaches them; its steps then all go
     through the backend, and its greedy tokens equal transformers' (a compiled engine used to fail
-    every step)."""
+    its warm-up)."""
     from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
 
     path = tiny_model_factory("falcon")
