@@ -132,15 +132,15 @@ def _pack_f32(module: torch.nn.Linear, weight: torch.Tensor) -> None:
 
 
 def _pack_each(model: torch.nn.Module, pack) -> int:
-    """``pack(module, weight)`` for every CPU ``nn.Linear`` that computes ``nn.Linear``'s own
-    forward (a subclass with a forward of its own, such as a MoE router that also picks experts or
-    a head that scales its output, keeps it); then release the weights, except a
+    """``pack(module, weight)`` for every CPU ``nn.Linear`` that computes ``nn.Linear``'s
+    forward (:func:`_plain_linear`; a subclass that does more, such as a MoE router that also picks
+    experts or a head that scales its output, keeps its own); then release the weights, except a
     tied output embedding's where the input embedding cannot read the packed copy. Returns the
     number packed."""
     embedding = model.get_input_embeddings()
     packed: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     for module in model.modules():
-        if _plain_linear(module) and module.weight.device.type == "cpu":
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module):
             weight = module.weight.detach()
             pack(module, weight)
             packed.append((module, weight))
@@ -152,7 +152,31 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
 
 
 def _plain_linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+    """True where ``module`` computes ``nn.Linear``'s forward: its own, or a subclass's whose
+    output for two one-hot rows (``[1, 2, in_features]``) is exactly those columns of the weight
+    plus the bias, which every way of computing ``x @ W.T + b`` gives bit for bit (one product and
+    one rounded add per output). Falcon's ``FalconLinear`` (``input @ weight.T``) passes; a MoE
+    router returning a tuple, a head that scales or upcasts its output, or a forward that raises
+    does not."""
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    if type(module).forward is torch.nn.Linear.forward:
+        return True
+    weight, bias = module.weight.detach(), module.bias
+    if weight.dim() != 2 or module.in_features < 1:
+        return False
+    columns = torch.tensor([0, module.in_features - 1])
+    rows = torch.zeros(1, 2, module.in_features, dtype=weight.dtype)
+    rows[0, 0, columns[0]] = rows[0, 1, columns[1]] = 1
+    expected = weight[:, columns].T.unsqueeze(0)
+    if bias is not None:
+        expected = expected + bias.detach()
+    try:
+        with torch.no_grad():
+            got = module(rows)
+    except Exception:  # noqa: BLE001 — any forward that cannot take plain rows keeps its own
+        return False
+    return isinstance(got, torch.Tensor) and got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 def _embed_from(embedding: torch.nn.Module, head: torch.nn.Linear) -> bool:

@@ -197,6 +197,74 @@ def test_a_linear_layer_with_a_forward_of_its_own_keeps_it():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_falcon_s_linear_subclass_is_packed():
+    """Falcon's ``FalconLinear`` overrides ``forward`` with ``input @ weight.T`` (+ bias), which is
+    ``nn.Linear``'s: every linear of a Falcon model is packed (it lost the kernel when subclasses
+    were all kept), and the logits stay those of the unpacked model within float32 rounding."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    from replica.compilation import prepack_linears
+
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, bias=True)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(reference.state_dict())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(isinstance(m, FalconLinear) for m in linears) >= 8
+    assert prepack_linears(model) == len(linears)
+    assert all(hasattr(m, "carpool_f32_weight") for m in linears)
+    ids = torch.tensor([[5, 90, 31, 70, 12, 200, 3]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+class _Scaled(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 1.0078125  # one bf16 ulp above 1
+
+
+class _Upcast(torch.nn.Linear):
+    def forward(self, x):
+        return torch.nn.functional.linear(x.float(), self.weight.float(), self.bias.float())
+
+
+class _Router(torch.nn.Linear):
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1).indices
+
+
+class _Relu(torch.nn.Linear):
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+class _Matmul(torch.nn.Linear):
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cls, packed",
+    [(torch.nn.Linear, True), (_Matmul, True), (_Scaled, False), (_Router, False), (_Relu, False), (_Upcast, None)],
+)
+def test_a_linear_subclass_is_packed_only_where_its_forward_is_linear_s(cls, packed, dtype):
+    """A subclass is packed where its output is ``nn.Linear``'s; one that scales, returns a tuple
+    or clamps its output keeps its forward. Upcasting to float32 is ``nn.Linear``'s forward only
+    for a float32 model."""
+    from replica.compilation import _plain_linear
+
+    torch.manual_seed(0)
+    module = cls(24, 40).to(dtype)
+    if packed is None:
+        packed = dtype == torch.float32
+    assert _plain_linear(module) is packed
+
+
 @pytest.mark.skipif(cpu_kernels.has_bf16_gemv(), reason="with AVX512-BF16, Carpool's vdpbf16ps kernel serves bf16")
 def test_prepack_linears_routes_a_bf16_model_through_the_kernel_without_avx512_bf16(tiny_llama):
     """Without AVX512-BF16 (oneDNN's bf16 GEMM is slow there and batch-variant), every linear of a
