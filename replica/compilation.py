@@ -138,9 +138,13 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
     tied output embedding's where the input embedding cannot read the packed copy. Returns the
     number packed."""
     embedding = model.get_input_embeddings()
+    dtype = getattr(getattr(model, "config", None), "dtype", None)  # what it was loaded in
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        dtype = next(model.parameters()).dtype
     packed: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module):
+        if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module, dtype):
             weight = module.weight.detach()
             pack(module, weight)
             packed.append((module, weight))
@@ -151,24 +155,30 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
     return len(packed)
 
 
-def _plain_linear(module: torch.nn.Module) -> bool:
-    """True where ``module`` computes ``nn.Linear``'s forward: its own, or a subclass's whose
-    output for two one-hot rows (``[1, 2, in_features]``) is exactly those columns of the weight
-    plus the bias, which every way of computing ``x @ W.T + b`` gives bit for bit (one product and
-    one rounded add per output). Falcon's ``FalconLinear`` (``input @ weight.T``) passes; a MoE
-    router returning a tuple, a head that scales or upcasts its output, or a forward that raises
-    does not."""
+def _plain_linear(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """True where ``module`` computes ``nn.Linear``'s forward in a model of ``dtype``: its own, or
+    (where its weight is of ``dtype``, the input it will get) a forward of a subclass's or set on
+    the instance whose output for three scaled one-hot rows (``[1, 3, in_features]``: 1, 256 and -1
+    times a unit row) is exactly ``scale * weight[:, column] + bias``, which every way of computing
+    ``x @ W.T + b`` gives bit for bit (one exact product and one rounded add per output).
+
+    Falcon's ``FalconLinear`` (``input @ weight.T``) passes. A MoE router returning a tuple, a
+    head that scales, normalises, clamps or upcasts its output, a float32 layer kept in a bf16
+    model (Ergo's router, which casts its input), or a forward that raises does not. A forward that
+    is linear on such rows only (a per-row quantisation of its input) would pass; no transformers
+    model has one. The forward runs once here, under ``no_grad``."""
     if not isinstance(module, torch.nn.Linear):
         return False
-    if type(module).forward is torch.nn.Linear.forward:
+    if type(module).forward is torch.nn.Linear.forward and "forward" not in module.__dict__:
         return True
     weight, bias = module.weight.detach(), module.bias
-    if weight.dim() != 2 or module.in_features < 1:
+    if weight.dtype != dtype or weight.shape != (module.out_features, module.in_features) or module.in_features < 1:
         return False
-    columns = torch.tensor([0, module.in_features - 1])
-    rows = torch.zeros(1, 2, module.in_features, dtype=weight.dtype)
-    rows[0, 0, columns[0]] = rows[0, 1, columns[1]] = 1
-    expected = weight[:, columns].T.unsqueeze(0)
+    columns = [0, module.in_features - 1, module.in_features // 2]
+    scales = torch.tensor([1.0, 256.0, -1.0], dtype=dtype)
+    rows = torch.zeros(1, 3, module.in_features, dtype=dtype)
+    rows[0, [0, 1, 2], columns] = scales
+    expected = (weight[:, columns] * scales).T.unsqueeze(0)
     if bias is not None:
         expected = expected + bias.detach()
     try:

@@ -242,6 +242,16 @@ class _Relu(torch.nn.Linear):
         return torch.relu(super().forward(x))
 
 
+class _Clamp(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x).clamp(-0.5, 0.5)
+
+
+class _Cosine(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(torch.nn.functional.normalize(x, dim=-1))
+
+
 class _Matmul(torch.nn.Linear):
     def forward(self, x):
         return x @ self.weight.T + self.bias
@@ -250,19 +260,63 @@ class _Matmul(torch.nn.Linear):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "cls, packed",
-    [(torch.nn.Linear, True), (_Matmul, True), (_Scaled, False), (_Router, False), (_Relu, False), (_Upcast, None)],
+    [
+        (torch.nn.Linear, True), (_Matmul, True), (_Scaled, False), (_Router, False), (_Relu, False),
+        (_Clamp, False), (_Cosine, False), (_Upcast, None),
+    ],
 )
 def test_a_linear_subclass_is_packed_only_where_its_forward_is_linear_s(cls, packed, dtype):
-    """A subclass is packed where its output is ``nn.Linear``'s; one that scales, returns a tuple
-    or clamps its output keeps its forward. Upcasting to float32 is ``nn.Linear``'s forward only
+    """A subclass is packed where its output is ``nn.Linear``'s; one that scales, returns a tuple,
+    clamps or normalises keeps its forward. Upcasting to float32 is ``nn.Linear``'s forward only
     for a float32 model."""
     from replica.compilation import _plain_linear
 
     torch.manual_seed(0)
     module = cls(24, 40).to(dtype)
+    torch.nn.init.normal_(module.weight, std=0.02)
     if packed is None:
         packed = dtype == torch.float32
-    assert _plain_linear(module) is packed
+    assert _plain_linear(module, dtype) is packed
+
+
+def test_a_forward_set_on_the_instance_is_probed_too():
+    """A forward replaced on a plain ``nn.Linear`` (as quantisation toolkits do) is checked like
+    a subclass's: one that doubles its output keeps it."""
+    from replica.compilation import _plain_linear
+
+    module = torch.nn.Linear(24, 40)
+    plain = torch.nn.Linear.forward
+    module.forward = lambda x: plain(module, x)
+    assert _plain_linear(module, torch.float32)
+    module.forward = lambda x: 2 * plain(module, x)
+    assert not _plain_linear(module, torch.float32)
+
+
+def test_a_float32_layer_kept_in_a_bf16_model_keeps_its_forward():
+    """Ergo keeps its MoE router's linear in float32 in a bf16 model and casts the router's bf16
+    input itself: packing it (its rows probed in float32) made every forward fail with
+    ``f32_linear: x must be Float``. It keeps its forward, and the prepacked model's logits equal
+    the unpacked model's."""
+    from transformers import AutoModelForCausalLM, ErgoConfig
+
+    from replica.compilation import prepack_linears
+
+    torch.manual_seed(0)
+    config = ErgoConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        first_dense_intermediate_size=128, num_dense_blocks=1, moe_intermediate_size=32, shared_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2, head_dim=16,
+    )
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.load_state_dict(reference.state_dict())
+    kept = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32]
+    assert kept and prepack_linears(model) > 0
+    assert all(m.weight.numel() > 0 for m in kept)
+    ids = torch.tensor([[5, 90, 31, 70, 12, 200, 3, 44, 17]])
+    with torch.no_grad():
+        got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0.02, atol=0.02)
 
 
 @pytest.mark.skipif(cpu_kernels.has_bf16_gemv(), reason="with AVX512-BF16, Carpool's vdpbf16ps kernel serves bf16")
