@@ -37,7 +37,7 @@ from replica.config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_attention.cpp", "cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp"))]
+SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_avx512.cpp", "cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp"))]
 NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 

@@ -17,11 +17,12 @@
 // Shapes: query [S, H, D]; key, value [S, H_kv, D] (the new token of each sequence);
 // key_cache, value_cache [slots, H_kv, D]; slot_mapping [S]; block_tables [S, W] (int64);
 // seq_lens [S] (int64, keys to attend, the new one included). Returns [S, H, D] in query's dtype.
-#include <torch/library.h>
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+// The bf16, head_dim 64 case runs on cpu_attention_avx512.cpp's kernel where AVX512 is built;
+// cpu_attention.h holds what both share.
+#include "cpu_attention.h"
 
-#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -32,46 +33,12 @@
 
 namespace {
 
-template <typename T>
-inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-// bf16 -> f32 is the 16 bits shifted up: written so that the compiler vectorizes it.
-template <>
-inline void load_row<at::BFloat16>(const at::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
-}
+using carpool_attention::kQueryTile;
+using carpool_attention::load_row;
+using carpool_attention::query_tiles;
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
-
-// Queries per task at most. A task walks the KV blocks once, in order, and at each block runs
-// every query of its tile that reaches it: the tokens of a prefill chunk, which share their
-// sequence's blocks, then read each block from memory once between them instead of once each.
-// A query's arithmetic does not depend on its tile: the same operations, in the same order, on
-// its own state (its scaled query, running max, sum and output), whatever the other queries are.
-// So a prompt token's attention is the same bits whether it comes alone, in a chunk of any size or
-// after a cached prefix, and a decode's whatever its batch.
-constexpr int64_t kQueryTile = 8;
-
-// Where each tile starts (and S at the end): runs of at most kQueryTile consecutive queries of
-// one sequence (a prefill chunk's tokens: the same first block, each one key longer than the one
-// before). A decode is a tile of its own: other sequences share no blocks to read once.
-std::vector<int64_t> query_tiles(const int64_t* tables, const int64_t* seq_lens, int64_t num_seqs, int64_t width) {
-  std::vector<int64_t> starts;
-  starts.reserve(num_seqs + 1);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const bool joins = s > 0 && s - starts.back() < kQueryTile && seq_lens[s] == seq_lens[s - 1] + 1 &&
-                       tables[s * width] == tables[(s - 1) * width];
-    if (!joins) starts.push_back(s);
-  }
-  starts.push_back(num_seqs);
-  return starts;
-}
 
 template <typename T, int D>
 void attend(const T* __restrict q_all, const T* __restrict k_cache, const T* __restrict v_cache,
@@ -166,236 +133,6 @@ void attend(const T* __restrict q_all, const T* __restrict k_cache, const T* __r
   });
 }
 
-#if defined(__AVX512F__)
-// bf16, head_dim 64, G <= 4 query heads per KV head (AVX512): while a KV head's rows of a block are
-// read, the q and output accumulator of its G query heads live in four zmm registers each, and a
-// key or value row is converted once to four zmm and used by all G heads. Same online softmax,
-// block by block, as the generic kernel above.
-// e^x for 16 floats: 2^(x log2 e) split as 2^n * 2^f, f in [-0.5, 0.5], with a degree-6 polynomial
-// for 2^f (Cephes' exp2f coefficients; relative error about 2e-7). x below -87 gives 0.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// The sums of 16 vectors' lanes, lane t of the result for vector t (part holds them one after the
-// other, 16 floats each). Four rounds of pairwise adds replace the 16 horizontal reductions that
-// each cost four shuffles and four adds: round 1 adds each vector's upper 256 bits to its lower,
-// round 2 its two remaining 128-bit quarters, rounds 3 and 4 the floats within a quarter. A
-// vector's sum is the same tree of its own lanes whatever the other 15 hold, so a key's score does
-// not depend on its neighbours or on how many keys a block has.
-inline __m512 sum_lanes16(const float* part) {
-  __m512 u[8], w[4], x[2];
-  for (int k = 0; k < 8; ++k) {
-    const __m512 a = _mm512_loadu_ps(part + 32 * k), b = _mm512_loadu_ps(part + 32 * k + 16);
-    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // u[k]'s quarters: vector 2k's two half-sums, then vector 2k+1's.
-  for (int k = 0; k < 4; ++k)
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // w[k]'s quarter j: four floats that sum to vector 4k+j.
-  for (int k = 0; k < 2; ++k)
-    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // x[k]'s quarter j: two floats of vector 8k+j, then two of vector 8k+4+j.
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // y's float 4j+c is the sum of vector 4c+j.
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
-}
-
-// Row t of one KV head of a block (64 values) as four zmm of float32: from the cache's bf16
-// (Converted = false; stride: elements from one row to the next) or from a float32 copy of the
-// block (Converted = true, rows of 64). bf16 -> f32 is exact, so both give the same values.
-template <bool Converted>
-inline void row64(const void* base, int64_t stride, int64_t t, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
-  if constexpr (Converted) {
-    const float* p = static_cast<const float*>(base) + t * 64;
-    r0 = _mm512_loadu_ps(p), r1 = _mm512_loadu_ps(p + 16), r2 = _mm512_loadu_ps(p + 32), r3 = _mm512_loadu_ps(p + 48);
-  } else {
-    const at::BFloat16* p = static_cast<const at::BFloat16*>(base) + t * stride;
-    r0 = bf16x16_to_f32(p), r1 = bf16x16_to_f32(p + 16), r2 = bf16x16_to_f32(p + 32), r3 = bf16x16_to_f32(p + 48);
-  }
-}
-
-// One query's G heads (of one KV head) through n keys of one block: scores (16 keys at a time,
-// each key's 16 lane products of q.k, then their sums), the block's max, one rescale of the
-// running sum l and output acc, then the weighted values. q_state, acc_state: [G, 64] float32;
-// m_state, l_state: [G]; scores: [G, block_size] and part: [G, 16, 16] scratch.
-template <int G, bool Converted>
-inline void attend_block(const float* q_state, float* acc_state, float* m_state, float* l_state, const void* keys,
-                         const void* values, int64_t stride, int64_t n, int64_t block_size, float* scores, float* part) {
-  __m512 q[G][4];
-  for (int r = 0; r < G; ++r)
-    for (int j = 0; j < 4; ++j) q[r][j] = _mm512_loadu_ps(q_state + r * 64 + 16 * j);
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t live_keys = std::min<int64_t>(16, n - t0);
-    for (int64_t t = 0; t < live_keys; ++t) {
-      __m512 k0, k1, k2, k3;
-      row64<Converted>(keys, stride, t0 + t, k0, k1, k2, k3);
-      for (int r = 0; r < G; ++r) {
-        __m512 d = _mm512_mul_ps(q[r][0], k0);
-        d = _mm512_fmadd_ps(q[r][1], k1, d);
-        d = _mm512_fmadd_ps(q[r][2], k2, d);
-        d = _mm512_fmadd_ps(q[r][3], k3, d);
-        _mm512_storeu_ps(part + (r * 16 + t) * 16, d);
-      }
-    }
-    const __mmask16 live = static_cast<__mmask16>((1u << live_keys) - 1);
-    for (int r = 0; r < G; ++r) {
-      for (int64_t t = live_keys; t < 16; ++t) _mm512_storeu_ps(part + (r * 16 + t) * 16, _mm512_setzero_ps());
-      _mm512_mask_storeu_ps(scores + r * block_size + t0, live, sum_lanes16(part + r * 256));
-    }
-  }
-  float correction[G];
-  for (int r = 0; r < G; ++r) {
-    float* sr = scores + r * block_size;
-    float block_max = -std::numeric_limits<float>::infinity();
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sr + t0);
-      block_max = std::max(block_max, _mm512_reduce_max_ps(v));
-    }
-    const float new_max = std::max(m_state[r], block_max);
-    correction[r] = std::exp(m_state[r] - new_max);
-    float sum = 0.f;
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const __mmask16 live = n - t0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t0)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + t0), _mm512_set1_ps(new_max)));
-      _mm512_mask_storeu_ps(sr + t0, live, e);
-      sum += _mm512_mask_reduce_add_ps(live, e);
-    }
-    l_state[r] = l_state[r] * correction[r] + sum;
-    m_state[r] = new_max;
-  }
-  __m512 acc[G][4];
-  for (int r = 0; r < G; ++r) {
-    const __m512 c = _mm512_set1_ps(correction[r]);
-    for (int j = 0; j < 4; ++j) {
-      acc[r][j] = _mm512_loadu_ps(acc_state + r * 64 + 16 * j);
-      if (correction[r] != 1.f) acc[r][j] = _mm512_mul_ps(acc[r][j], c);
-    }
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 v0, v1, v2, v3;
-    row64<Converted>(values, stride, t, v0, v1, v2, v3);
-    for (int r = 0; r < G; ++r) {
-      const __m512 p = _mm512_set1_ps(scores[r * block_size + t]);
-      acc[r][0] = _mm512_fmadd_ps(p, v0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(p, v1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(p, v2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(p, v3, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < G; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_state + r * 64 + 16 * j, acc[r][j]);
-}
-
-template <int G>
-void attend_bf16_d64(const at::BFloat16* __restrict q_all, const at::BFloat16* __restrict k_cache,
-                     const at::BFloat16* __restrict v_cache, const int64_t* __restrict tables,
-                     const int64_t* __restrict seq_lens, at::BFloat16* __restrict out, int64_t num_seqs,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t width, int64_t block_size, float scale) {
-  constexpr int D = 64;
-  const int64_t row = num_kv_heads * D;  // elements per slot: every KV head of one token
-  const std::vector<int64_t> starts = query_tiles(tables, seq_lens, num_seqs, width);
-  const int64_t num_tiles = static_cast<int64_t>(starts.size()) - 1;
-  // One task per tile of queries (query_tiles). A tile walks its blocks in order, prefetching the
-  // next one (blocks lie anywhere in a pool far larger than the caches, so memory bounds a decode).
-  // At each block and KV head, a tile of more than one query converts the block's K and V rows to
-  // float32 once for all its queries; a decode converts each row as it reads it. Either way every
-  // query runs attend_block on the same values, so its bits do not depend on its tile.
-  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * block_size), part(G * 16 * 16);
-    std::vector<float> k_f32(block_size * D), v_f32(block_size * D);
-    std::vector<float> q_tile(kQueryTile * num_heads * D), acc_tile(kQueryTile * num_heads * D);
-    std::vector<float> m_tile(kQueryTile * num_heads), l_tile(kQueryTile * num_heads);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s0 = starts[task], count = starts[task + 1] - s0;
-      const int64_t last = s0 + count - 1;  // the tile's longest query: the others end before it
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t s = s0 + i;
-        for (int64_t h = 0; h < num_heads; ++h) {
-          for (int j = 0; j < 4; ++j) {
-            _mm512_storeu_ps(&q_tile[(i * num_heads + h) * D + 16 * j],
-                             _mm512_mul_ps(bf16x16_to_f32(q_all + (s * num_heads + h) * D + 16 * j), _mm512_set1_ps(scale)));
-            _mm512_storeu_ps(&acc_tile[(i * num_heads + h) * D + 16 * j], _mm512_setzero_ps());
-          }
-          m_tile[i * num_heads + h] = -std::numeric_limits<float>::infinity();
-          l_tile[i * num_heads + h] = 0.f;
-        }
-      }
-      const int64_t most_blocks = (seq_lens[last] + block_size - 1) / block_size;
-      for (int64_t b = 0; b < most_blocks; ++b) {
-        const int64_t block = tables[last * width + b];
-        if (b + 1 < most_blocks) {
-          const char* nk = reinterpret_cast<const char*>(k_cache + tables[last * width + b + 1] * block_size * row);
-          const char* nv = reinterpret_cast<const char*>(v_cache + tables[last * width + b + 1] * block_size * row);
-          for (int64_t off = 0; off < block_size * row * 2; off += 64) {
-            _mm_prefetch(nk + off, _MM_HINT_T0);
-            _mm_prefetch(nv + off, _MM_HINT_T0);
-          }
-        }
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-          const at::BFloat16* k_rows = k_cache + block * block_size * row + g * D;
-          const at::BFloat16* v_rows = v_cache + block * block_size * row + g * D;
-          if (count > 1) {
-            const int64_t rows = std::min(block_size, seq_lens[last] - b * block_size);
-            for (int64_t t = 0; t < rows; ++t) {
-              load_row(k_rows + t * row, k_f32.data() + t * D, D);
-              load_row(v_rows + t * row, v_f32.data() + t * D, D);
-            }
-          }
-          for (int64_t i = 0; i < count; ++i) {
-            const int64_t len = seq_lens[s0 + i];
-            if (b * block_size >= len) continue;  // this query's keys end before block b
-            const int64_t n = std::min(block_size, len - b * block_size);
-            const int64_t state = i * num_heads + g * G;
-            float* const q_state = q_tile.data() + state * D;
-            float* const acc_state = acc_tile.data() + state * D;
-            // Tiles are runs of one sequence's tokens, but two sequences that share cached blocks
-            // can meet in one: a query whose block b is another reads its own from the cache.
-            const int64_t own = tables[(s0 + i) * width + b];
-            if (count > 1 && own == block)
-              attend_block<G, true>(q_state, acc_state, &m_tile[state], &l_tile[state], k_f32.data(), v_f32.data(), D, n,
-                                    block_size, scores.data(), part.data());
-            else
-              attend_block<G, false>(q_state, acc_state, &m_tile[state], &l_tile[state], k_cache + own * block_size * row + g * D,
-                                     v_cache + own * block_size * row + g * D, row, n, block_size, scores.data(), part.data());
-          }
-        }
-      }
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t h = 0; h < num_heads; ++h) {
-          at::BFloat16* o = out + ((s0 + i) * num_heads + h) * D;
-          const float l = l_tile[i * num_heads + h];
-          const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-          alignas(64) float tmp[D];
-          for (int j = 0; j < 4; ++j)
-            _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(&acc_tile[(i * num_heads + h) * D + 16 * j]), inv));
-          for (int d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
-        }
-      }
-    }
-  });
-}
-#endif
-
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                   const at::Tensor& lens, at::Tensor& out, int64_t block_size, double scale) {
@@ -406,17 +143,12 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
     kernel(std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
            std::get<5>(args), S, H, Hkv, W, block_size, D, static_cast<float>(scale));
   };
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    const int64_t G = H / Hkv;
-    if (D == 64 && G >= 1 && G <= 4) {
-      auto fast = G == 1 ? attend_bf16_d64<1> : G == 2 ? attend_bf16_d64<2> : G == 3 ? attend_bf16_d64<3> : attend_bf16_d64<4>;
-      fast(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(), tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-           out.data_ptr<T>(), S, H, Hkv, W, block_size, static_cast<float>(scale));
+    if (D == 64 && carpool_attention::attend_bf16_d64(q.data_ptr<T>(), kc.data_ptr<T>(), vc.data_ptr<T>(),
+                                                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                                      out.data_ptr<T>(), S, H, Hkv, W, block_size, static_cast<float>(scale)))
       return;
-    }
   }
-#endif
   if (D == 64) run(attend<T, 64>);
   else if (D == 128) run(attend<T, 128>);
   else run(attend<T, 0>);
