@@ -166,12 +166,14 @@ def paged_attention(
     backend = getattr(_current, "backend", None)
     if backend is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention runs only inside a model runner's step")
-    return backend.forward(query, key, value, key_cache, value_cache, scale)
+    return backend.forward(query, key, value, key_cache, value_cache, scale).contiguous()
 
 
 @paged_attention.register_fake
 def _(query, key, value, key_cache, value_cache, scale):
-    return torch.empty_like(query)
+    # Contiguous, as the op returns, whatever the query's strides: partial-rotary layers (Phi,
+    # GPT-NeoX, StableLM) build it with torch.cat, and inductor reads the output with these strides.
+    return query.new_empty(query.shape)
 
 
 # Keyword arguments transformers' layers pass to the attention function that do not change plain

@@ -35,9 +35,11 @@ decoder.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import types
+from pathlib import Path
 
 import torch
 
@@ -222,12 +224,28 @@ def use_compile_cache(directory: str) -> None:
     default, /tmp/torchinductor_<user>, may not), unless the user set ``TORCHINDUCTOR_CACHE_DIR``
     to another folder. Torch's own ``cache_dir()`` writes its default into that variable the first
     time anything asks (an import below ``replica.attention`` does), so the default counts as
-    unset: a plain ``setdefault`` left the cache in /tmp."""
+    unset: a plain ``setdefault`` left the cache in /tmp.
+
+    Also tags every compile cache key with :func:`source_tag` (``torch.compiler.config.cache_key_tag``,
+    after any tag of the user's): torch's keys do not cover a custom op's fake implementation, so
+    code compiled before a change to one (its output strides) was reused and gave wrong tokens."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory
+    user_tag = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+    torch.compiler.config.cache_key_tag = f"{user_tag}carpool-{source_tag()}"
+
+
+def source_tag(root: Path | None = None) -> str:
+    """16 hex digits of the SHA-256 of the engine's sources (``replica/*.py`` and ``replica/csrc``,
+    names and contents): any change to them changes the compile cache's keys."""
+    root = root or Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *(root / "csrc").glob("*")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def compile_decoder(model: torch.nn.Module) -> None:

@@ -134,7 +134,7 @@ def load() -> bool:
 
     @torch.library.register_fake("carpool_cpu::decode_attention")
     def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, block_size, scale):
-        return torch.empty_like(query)
+        return query.new_empty(query.shape)  # contiguous, as the kernel returns (not the query's strides)
 
     @torch.library.register_fake("carpool_cpu::packed_linear")
     def _(x, onednn_weight, gemv_weight, bias, out_features):

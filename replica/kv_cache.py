@@ -18,7 +18,9 @@ class ModelShape:
     """What the KV cache must hold per token: ``num_layers`` × K/V of ``num_kv_heads × head_dim``;
     ``num_heads`` query heads attend to them. ``sliding_window``: the shortest attention window of
     any layer, in tokens (a query at position ``i`` sees keys ``j > i - sliding_window``, as
-    transformers masks it), or None where every layer attends to its whole context."""
+    transformers masks it), or None where every layer attends to its whole context.
+    ``longrope_short_len``: for a longrope rotary embedding (Phi-3 128k, Phi-3.5), the tokens up to
+    which it keeps its short factors (``original_max_position_embeddings``), else None."""
 
     num_layers: int
     num_heads: int
@@ -26,6 +28,7 @@ class ModelShape:
     head_dim: int
     max_position_embeddings: int | None
     sliding_window: int | None = None
+    longrope_short_len: int | None = None
 
 
 def model_shape(hf_config) -> ModelShape:
@@ -40,7 +43,24 @@ def model_shape(hf_config) -> ModelShape:
         head_dim=head_dim,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         sliding_window=_sliding_window(text),
+        longrope_short_len=_longrope_short_len(text),
     )
+
+
+def _longrope_short_len(text_config) -> int | None:
+    """``original_max_position_embeddings`` of a longrope rotary embedding (the shortest, where
+    layer types have their own), or None. transformers picks the long factors for every position
+    of a forward once its largest position reaches that length
+    (``modeling_rope_utils.dynamic_rope_update``)."""
+    params = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    per_type = bool(params) and all(isinstance(value, dict) for value in params.values())
+    lengths = [
+        entry.get("original_max_position_embeddings") or getattr(text_config, "original_max_position_embeddings", None)
+        for entry in (params.values() if per_type else [params])
+        if isinstance(entry, dict) and entry.get("rope_type", entry.get("type")) == "longrope"
+    ]
+    lengths = [int(length) for length in lengths if length]
+    return min(lengths) if lengths else None
 
 
 def _sliding_window(text_config) -> int | None:

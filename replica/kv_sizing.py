@@ -50,18 +50,25 @@ def decide_num_blocks(
 
 def decide_max_model_len(requested: int | None, shape: ModelShape, num_blocks: int, block_size: int) -> int:
     """The longest sequence (prompt + output, tokens) the engine serves: ``requested``, or by
-    default the smallest of the model's context, the KV pool (``num_blocks × block_size``) and
-    its sliding window. Carpool's attention has no sliding window, so a model with one is served
-    where the window covers every sequence, which changes no token (transformers' mask lets query
-    ``i`` see key ``j`` when ``i - j < window``).
+    default the smallest of the model's context, the KV pool (``num_blocks × block_size``), its
+    sliding window and its longrope short length.
+
+    Carpool's attention has no sliding window, so a model with one is served where the window
+    covers every sequence, which changes no token (transformers' mask lets query ``i`` see key
+    ``j`` when ``i - j < window``). A longrope model's rotary frequencies switch for every position
+    of a forward once one position passes ``original_max_position_embeddings``, so with several
+    sequences in one forward a long one would change a short one's tokens; it is served below that
+    length, where the short factors always apply.
 
     Raises:
-        ValueError: ``requested`` exceeds the pool, the model's context or its sliding window.
+        ValueError: ``requested`` exceeds the pool, the model's context, its sliding window or its
+            longrope short length.
     """
     pool_tokens = num_blocks * block_size
     context = shape.max_position_embeddings or pool_tokens
-    window = shape.sliding_window
-    max_model_len = requested or min(context, pool_tokens, window or context)
+    window, short = shape.sliding_window, shape.longrope_short_len
+    cap = min((limit for limit in (window, short) if limit), default=None)
+    max_model_len = requested or min(context, pool_tokens, cap or context)
     if max_model_len > pool_tokens:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the KV pool ({num_blocks} blocks × {block_size} = "
@@ -69,12 +76,20 @@ def decide_max_model_len(requested: int | None, shape: ModelShape, num_blocks: i
         )
     if max_model_len > context:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
-    if window and not requested and window < min(context, pool_tokens):
-        logger.warning("max_model_len is %d, the model's sliding window (its context: %d)", window, context)
+    if cap and not requested and cap < min(context, pool_tokens):
+        reason = "sliding window" if cap == window else "longrope short length"
+        logger.warning("max_model_len is %d, the model's %s (its context: %d)", cap, reason, context)
     if window and max_model_len > window:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's sliding window of {window} tokens: "
             f"Carpool's attention has no sliding window, so it serves this model with max_model_len up to "
             f"{window}, where the window covers every sequence"
+        )
+    if short and max_model_len > short:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's longrope original_max_position_embeddings of "
+            f"{short} tokens: past it transformers switches every position of a forward to the long rotary "
+            f"factors, so batched requests would change each other's tokens; Carpool serves this model with "
+            f"max_model_len up to {short}"
         )
     return max_model_len

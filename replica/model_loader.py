@@ -154,12 +154,23 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
     """Load a causal LM from a local folder with ``attn_implementation``; eval mode, no grad.
 
     Returns the transformers ``PreTrainedModel``.
-    """
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation
-    )
+    Raises:
+        ValueError: the model's code cannot take ``attn_implementation`` (GPT-Neo looks its
+            attention class up by name and raises ``KeyError``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except KeyError as exc:
+        if exc.args != (attn_implementation,):
+            raise
+        model_type = AutoConfig.from_pretrained(path).model_type
+        raise ValueError(
+            f"{model_type}: its attention does not go through transformers' attention interface, so it cannot "
+            f"run Carpool's paged attention ({attn_implementation})"
+        ) from exc
     model.to(device)
     model.eval()
     model.requires_grad_(False)

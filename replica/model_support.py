@@ -45,7 +45,8 @@ def check_supported(model: torch.nn.Module) -> None:
     * logit soft-capping (a layer's ``attn_logit_softcapping``: Gemma 2), attention sinks (a
       ``sinks`` parameter: GPT-OSS) or bidirectional attention (``is_causal`` False: BERT and
       RoBERTa loaded as causal LMs without ``is_decoder``) in a decoder attention layer
-      (:func:`~replica.attention.cache_layers`).
+      (:func:`~replica.attention.cache_layers`);
+    * no such decoder attention layer at all (Bloom, MPT: attention in the model's own code).
 
     Raises:
         ValueError: naming the model type and what it needs.
@@ -77,6 +78,12 @@ def check_supported(model: torch.nn.Module) -> None:
     if needs:
         raise ValueError(
             f"{model_type}: its attention needs {' and '.join(dict.fromkeys(needs))}, which Carpool does not implement"
+        )
+    if not layers:
+        raise ValueError(
+            f"{model_type}: none of its layers attends through transformers' attention interface (an attention "
+            f"module with an integer layer_idx); attention computed in the model's own code (as Bloom's and "
+            f"MPT's ALiBi attention is) cannot keep its K/V in Carpool's paged cache"
         )
 
 
@@ -134,7 +141,8 @@ def probe_attention(runner) -> bool:
                 f"{model_type}: its attention layers give queries of head size {query.shape[-1]}, keys of "
                 f"{tuple(key.shape[1:2]) + tuple(key.shape[-1:])} and values of "
                 f"{tuple(value.shape[1:2]) + tuple(value.shape[-1:])} (heads, head size), where its config "
-                f"gives {cache}: Carpool's KV cache holds one head size for all three"
+                f"gives the cache {cache}: Carpool's KV cache holds the config's K/V heads, and one head size for "
+                f"queries, keys and values"
             )
         return paged_attention_forward(module, query, key, value, *args, **kwargs)
 

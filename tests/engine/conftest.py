@@ -38,6 +38,7 @@ TINY = dict(
 
 
 SLIDING_WINDOW = 160  # tokens: past the fidelity workload's longest sequence (130)
+LONGROPE_SHORT_LEN = 64  # tokens: a longrope model's original_max_position_embeddings
 
 
 def _config(family: str):
@@ -62,6 +63,24 @@ def _config(family: str):
         from transformers import FalconConfig
 
         return FalconConfig(**{k: v for k, v in TINY.items() if k not in ("intermediate_size", "num_key_value_heads")})
+    if family == "phi":  # partial rotary: the query reaches attention non-contiguous (torch.cat)
+        from transformers import PhiConfig
+
+        return PhiConfig(**{k: v for k, v in TINY.items() if k != "num_key_value_heads"}, partial_rotary_factor=0.5)
+    if family == "stablelm":  # partial rotary, and its layers drop transformers' attention arguments
+        from transformers import StableLmConfig
+
+        return StableLmConfig(**TINY, partial_rotary_factor=0.5)
+    if family == "phi3_longrope":  # longrope: short rotary factors up to 64 tokens, long past them
+        from transformers import Phi3Config
+
+        return Phi3Config(
+            **TINY, original_max_position_embeddings=LONGROPE_SHORT_LEN, sliding_window=None,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                "long_factor": [1.0 + 3.0 * i for i in range(8)], "original_max_position_embeddings": LONGROPE_SHORT_LEN,
+            },
+        )
     if family == "diffllama":  # calls attention twice per layer (which Carpool refuses)
         from transformers import DiffLlamaConfig
 

@@ -35,7 +35,12 @@ def _refused_configs():
         "qwen3_next linear attention": (t.Qwen3NextConfig(**SMALL), "layers of type linear_attention"),
         "mamba": (t.MambaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2), r"a state carried between steps \(MambaMixer\)"),
         "bert encoder": (t.BertConfig(**SMALL), r"bert: its attention needs bidirectional attention \(an encoder"),
+        "bloom alibi": (t.BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4), ATTENTION_OF_ITS_OWN),
+        "mpt alibi": (t.MptConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4), ATTENTION_OF_ITS_OWN),
     }
+
+
+ATTENTION_OF_ITS_OWN = "none of its layers attends through transformers' attention interface"
 
 
 @pytest.mark.parametrize("case", list(_refused_configs()))
@@ -99,6 +104,20 @@ def test_a_model_whose_layers_call_attention_in_a_way_the_cache_cannot_hold_is_r
         LLM(model=tiny_model_factory(family), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=False)
 
 
+def test_a_model_that_cannot_take_an_attention_implementation_is_refused_at_load(tmp_path):
+    """GPT-Neo looks its attention class up by the implementation's name and raised a bare
+    ``KeyError: 'carpool_paged'`` from transformers; the load now says what it means."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    from replica.attention import register_paged_attention
+    from replica.model_loader import load_model
+
+    config = GPTNeoConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="gpt_neo: its attention does not go through transformers' attention interface"):
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu", attn_implementation=register_paged_attention())
+
+
 def test_a_layer_that_computes_attention_itself_is_refused(tiny_llama):
     """A layer that does not call the attention interface (here one told to use SDPA) would never
     write its K/V into the cache: the probe finds it."""
@@ -130,6 +149,45 @@ def test_a_model_whose_layers_drop_attention_arguments_attends_through_the_backe
     assert "do not pass on transformers' attention arguments" in caplog.text
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == reference_tokens(path, WORKLOAD)
+    assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("family", ["phi", "stablelm"])
+def test_a_partial_rotary_model_compiled_gives_transformers_tokens(tiny_model_factory, family):
+    """Phi and StableLM rotate part of each head and concatenate it with the rest, so the query
+    reaches the attention op non-contiguous. The op returns a contiguous output; its fake returned
+    the query's strides, and inductor read the compiled output through them, so the greedy tokens
+    were others from the first. Phi attends through the traced decode step,
+    StableLM through the backend; both must give transformers' tokens compiled."""
+    from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
+
+    path = tiny_model_factory(family)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=8, max_num_batched_tokens=32, compile=True)
+    assert llm.engine.runner.backend.inline_decode is (family == "phi")
+    got, _ = run_engine(llm, WORKLOAD, None)
+    assert got == reference_tokens(path, WORKLOAD)
+    assert_idle(llm.engine)
+
+
+def test_a_longrope_model_is_served_below_its_short_length(tiny_model_factory, caplog):
+    """Phi-3 128k's longrope rotary embedding switches every position of a forward to its long
+    factors once one position passes ``original_max_position_embeddings``: a long prompt batched
+    with short ones changed their tokens, and a long prompt's early chunks were encoded with the
+    short factors. ``max_model_len`` defaults to that length, a larger one is refused, and below
+    it batched and chunked requests give transformers' greedy tokens."""
+    from tests.engine.conftest import LONGROPE_SHORT_LEN
+    from tests.engine.test_fidelity import reference_tokens, run_engine
+
+    path = tiny_model_factory("phi3_longrope")
+    with pytest.raises(ValueError, match="longrope original_max_position_embeddings of 64 tokens"):
+        LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_model_len=LONGROPE_SHORT_LEN + 1, compile=False)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=16, compile=False)
+    assert llm.engine.max_model_len == LONGROPE_SHORT_LEN
+    assert "the model's longrope short length" in caplog.text
+    g = torch.Generator().manual_seed(5)
+    workload = [([int(t) for t in torch.randint(3, 49152, (n,), generator=g)], 64 - n) for n in (5, 30, 52)]
+    got, _ = run_engine(llm, workload, None)
+    assert got == reference_tokens(path, workload)
     assert_idle(llm.engine)
 
 

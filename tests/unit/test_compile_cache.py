@@ -35,3 +35,33 @@ def test_the_cache_is_ours_after_the_engines_imports(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(tmp_path)
+
+
+def test_the_cache_keys_change_with_the_engine_s_sources(tmp_path, monkeypatch):
+    """Torch's compile cache keys do not cover a custom op's fake implementation: code compiled
+    before a change to one was reused (Phi's and StableLM's tokens stayed wrong after the fix of
+    their attention op's fake strides). Every key carries a hash of the engine's sources, after a
+    user's own tag."""
+    import shutil
+
+    import torch
+
+    from replica import compilation
+    from replica.compilation import source_tag
+
+    copy = tmp_path / "replica"
+    shutil.copytree(os.path.dirname(compilation.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = source_tag(copy)
+    assert source_tag(copy) == before
+    (copy / "attention.py").write_text((copy / "attention.py").read_text() + "\n# changed\n")
+    assert source_tag(copy) != before
+    (copy / "csrc" / "cpu_attention.h").write_text("// changed\n")
+    assert len({before, source_tag(copy)}) == 2
+
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "users-")
+    previous = torch.compiler.config.cache_key_tag
+    try:
+        use_compile_cache(str(tmp_path / "inductor"))
+        assert torch.compiler.config.cache_key_tag == f"users-carpool-{source_tag()}"
+    finally:
+        torch.compiler.config.cache_key_tag = previous
