@@ -303,10 +303,17 @@ def _tool_finish(mode: str, finish_reason: str | None) -> str | None:
     return "tool_calls" if finish_reason == "stop" and mode != "named" else finish_reason
 
 
+# JSON leaves these raw inside strings, and Python's str.splitlines() (and clients that split a
+# stream on Unicode line breaks) would cut a frame there; escaped, they mean the same characters.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 async def sse_frames(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Server-sent-event frames: ``data: <json>`` per event, then ``data: [DONE]``."""
+    """Server-sent-event frames: ``data: <json>`` per event, then ``data: [DONE]``. Each frame is
+    one line under any line splitting: the Unicode line breaks JSON leaves raw (U+0085, U+2028,
+    U+2029) are written as ``\\u`` escapes."""
     async for event in events:
-        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield f"data: {json.dumps(event, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
     yield "data: [DONE]\n\n"
 
 

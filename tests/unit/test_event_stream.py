@@ -47,3 +47,27 @@ def test_closed_when_the_client_is_gone_before_the_first_frame():
     with pytest.raises(Exception):
         _respond(_EventStream(frames(), on_close=lambda: closed.append(True)), send)
     assert started == [] and closed == [True]
+
+
+def test_a_frame_stays_one_line_whatever_its_text_holds():
+    """A streamed echo of the prompt '\\x85' broke the frame for any client that splits lines the
+    way str.splitlines() does (found by the e2e fuzzer): JSON leaves U+0085, U+2028 and U+2029
+    raw. They are escaped, and the frame decodes to the same text."""
+    from router.responses import sse_frames
+
+    text = "a\x85b\u2028c\u2029d\ne\r\x0bf\x1cg\x1dh\x1ei é 漢"
+
+    async def events():
+        yield {"choices": [{"text": text}]}
+
+    async def collect():
+        return [frame async for frame in sse_frames(events())]
+
+    import json
+
+    frames = asyncio.run(collect())
+    assert frames[-1] == "data: [DONE]\n\n"
+    lines = [line for line in "".join(frames).splitlines() if line]
+    assert [line.startswith("data: ") for line in lines] == [True, True]
+    assert json.loads(lines[0][len("data: "):])["choices"][0]["text"] == text
+    assert "é 漢" in lines[0]  # other text stays unescaped
