@@ -118,7 +118,7 @@ def serve(
     attention_backend: Optional[str] = typer.Option(None, help="auto (the device's fast kernels), reference, cpu or cuda (default: auto)."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile the model (default: on; --no-compile is vLLM's --enforce-eager)."),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="CUDA: replay decode steps from captured CUDA graphs (default: on with --compile)."),
-    async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (vLLM's --async-scheduling; default: off)."),
+    async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (vLLM's --async-scheduling; default: on for CUDA, off on CPU)."),
     enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of cached prompt prefixes (default: on)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
     host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),

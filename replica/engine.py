@@ -186,9 +186,13 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        """Whether steps overlap (``EngineConfig.async_scheduling``); the static policy (the
-        baseline, which benchmarks may switch to on an idle engine) always runs synchronously."""
-        return self.config.async_scheduling and self.scheduler.policy == "continuous"
+        """Whether steps overlap (``EngineConfig.async_scheduling``; None: on CUDA only); the
+        static policy (the baseline, which benchmarks may switch to on an idle engine) always runs
+        synchronously."""
+        wanted = self.config.async_scheduling
+        if wanted is None:
+            wanted = self.runner.device.type == "cuda"
+        return wanted and self.scheduler.policy == "continuous"
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

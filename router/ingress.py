@@ -33,6 +33,7 @@ into the modules that do the work: :mod:`router.errors` (error responses, API ke
 
 # No "from __future__ import annotations": Serve rebuilds the route signatures and must see real types.
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -52,6 +53,9 @@ from router.preparation import RequestPreparer
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.replica_view import ReplicaView
 from router.responses import EventStream, ResponseFormatter, sse_frames
+
+logger = logging.getLogger(__name__)
+
 
 def _reuse_address_for_direct_ingress() -> None:
     """Let Serve's direct-ingress HTTP server bind its port while connections of a previous server
@@ -146,12 +150,20 @@ class OpenAIIngress:
     async def metrics(self) -> Response:
         """Every replica's ``carpool:*`` series in the Prometheus text format, and this ingress's
         own (requests it refused); one scrape target for the whole application, see
-        ``deploy/prometheus/``. A replica that does not answer within 5 s is left out of this scrape."""
+        ``deploy/prometheus/``. A replica whose call fails is left out of this scrape; where the
+        replicas do not all answer within 5 s, or none runs, the scrape holds the ingress's series
+        alone (with a warning in the log), never an error."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
         from replica.metrics import merge_expositions
 
-        results = await self.fanout.replica.broadcast("metrics_text").results_async(timeout_s=5.0, return_exceptions=True)
+        try:
+            results = await self.fanout.replica.broadcast("metrics_text").results_async(
+                timeout_s=5.0, return_exceptions=True
+            )
+        except Exception as err:  # Serve's TimeoutError for the whole fan-out, DeploymentUnavailableError
+            logger.warning("GET /metrics: the replicas' series are left out of this scrape: %r", err)
+            results = []
         texts = [r for r in results if isinstance(r, str)] + [self.metrics.exposition().decode()]
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 

@@ -65,7 +65,7 @@ def offline_main(
     prompt_logprobs_requests: int = 0,
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 

@@ -36,7 +36,7 @@ def profile_main(
     json_path: str | Path | None = None,
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).

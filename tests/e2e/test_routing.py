@@ -13,8 +13,10 @@ from cluster.config import ServeConfig
 from replica.config import EngineConfig
 from tests.e2e.conftest import process_environ
 
-# 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue.
-ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128, compile=False)
+# 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue. With
+# async scheduling, the default on CUDA, so that the served path runs it on CPU too.
+ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128, compile=False,
+                      async_scheduling=True)
 CONFIG = ServeConfig(app_name="e2e-routing", engine=ENGINE)
 TOPICS = ["the sea", "a red fox", "winter", "the moon", "bread", "a violin", "rain", "mountains"]
 MAX_TOKENS = 12

@@ -21,10 +21,13 @@ from tests.helpers import ON_TEST_DEVICE, assert_idle
 # A hung engine loop fails fast instead of at the global 600 s timeout.
 pytestmark = pytest.mark.timeout(120)
 
-@pytest.fixture(scope="module")
-def async_engine(tiny_llama):
-    """A separate engine on the loop thread, with room for long generations (max_model_len 1024)."""
-    engine = LLMEngine(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, block_size=16, num_blocks=64)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def async_engine(tiny_llama, request):
+    """A separate engine on the loop thread, with room for long generations (max_model_len 1024);
+    every test runs with and without async scheduling (the default on CUDA), as a replica serves."""
+    engine = LLMEngine(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, block_size=16, num_blocks=64,
+                       async_scheduling=request.param)
+    assert engine.async_scheduling is request.param
     aengine = AsyncLLMEngine(engine=engine)
     yield aengine
     aengine.shutdown()

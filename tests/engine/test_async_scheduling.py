@@ -10,6 +10,7 @@ is synchronous, so these tests check the bookkeeping; the overlap itself shows o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -150,6 +151,30 @@ def _summary(outputs):
     ]
 
 
+def _split_floats(value):
+    """``value`` with every float replaced by None, and the floats in order: (skeleton, floats)."""
+    if isinstance(value, float):
+        return None, [value]
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.astuple(value)
+    if isinstance(value, (list, tuple)):
+        parts = [_split_floats(v) for v in value]
+        return [p[0] for p in parts], [f for p in parts for f in p[1]]
+    return value, []
+
+
+def assert_same_outputs(overlapped, synchronous):
+    """Equal on CPU. On CUDA, a thrown-away row changes a step's row count and cuBLAS picks its
+    float32 kernels by shape, so logprob values may differ in their last bits (about 1e-7, seen on
+    an H200); tokens, text, ranks and finish reasons must still be equal."""
+    if TEST_DEVICE == "cpu":
+        assert overlapped == synchronous
+        return
+    (shape_o, floats_o), (shape_s, floats_s) = _split_floats(overlapped), _split_floats(synchronous)
+    assert shape_o == shape_s
+    assert floats_o == pytest.approx(floats_s, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("seats", [3, 16])
 def test_sampling_options_give_the_synchronous_engine_s_outputs(tiny_llama, seats):
     """Every option that reads the tokens so far (penalties, min_tokens, stops, seeded draws) gives
@@ -167,8 +192,7 @@ def test_sampling_options_give_the_synchronous_engine_s_outputs(tiny_llama, seat
     results = {
         overlap: llm.generate(prompt_token_ids=prompts, sampling_params=params) for overlap, llm in engines.items()
     }
-    synchronous, overlapped = _summary(results[False]), _summary(results[True])
-    assert overlapped == synchronous
+    assert_same_outputs(_summary(results[True]), _summary(results[False]))
     reasons = [c.finish_reason for o in results[True] for c in o.outputs]
     assert reasons[2] == "stop" and reasons[3] == "stop"  # ended one step before a row was thrown away
     for llm in engines.values():
@@ -279,6 +303,17 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
         assert len(requests[i].output_token_ids) == 40
         assert requests[i].output_token_ids[: len(expected[i])] == expected[i]
     assert_idle(engine)
+
+
+def test_async_scheduling_is_on_by_default_on_cuda_only(tiny_llama):
+    """As in vLLM, steps overlap by default where there is a device to overlap with (CUDA); on
+    CPU every op is synchronous, so the default there is off. Either can be set."""
+    by_default = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, compile=False)
+    assert by_default.engine.async_scheduling is TEST_DEVICE.startswith("cuda")
+    for wanted in (True, False):
+        llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, compile=False,
+                  async_scheduling=wanted)
+        assert llm.engine.async_scheduling is wanted
 
 
 def test_static_policy_runs_synchronously(tiny_llama):
