@@ -267,8 +267,22 @@ def test_wedged_engine_loops_are_replaced_and_health_is_503_meanwhile(app):
     old_pids = {s["pid"] for s in served.stats()}
     handle = serve.get_deployment_handle("LLMReplica", app_name=CONFIG.app_name)
     handle.broadcast("inject_stall", 300.0).results(timeout_s=30)
+    before = {s["replica"]: s["num_requests"] for s in served.stats()}
     results: list = []
     threads = [start(stream_request, served, 20, results) for _ in range(4)]
+    # A loop stalls in its next step, and an idle replica takes none: both must get a request, or
+    # they are replaced one after the other and /health never sees both down. The router may send
+    # all 4 to one replica (their prompt is shorter than a block, so load alone decides), so more
+    # are sent, up to 8, until each replica has received one.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        received = {s["replica"]: s["num_requests"] - before.get(s["replica"], 0) for s in served.stats()}
+        if len(received) == 2 and all(n > 0 for n in received.values()):
+            break
+        if len(threads) < 8:
+            threads.append(start(stream_request, served, 20, results))
+        time.sleep(0.5)
+    assert len(received) == 2 and all(n > 0 for n in received.values()), received
     wedged = time.monotonic()
     codes, first_503, refused = [], None, []
     while time.monotonic() - wedged < WEDGE_RECOVERY_S:
