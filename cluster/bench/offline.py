@@ -138,6 +138,8 @@ def offline_main(
         "threads": torch.get_num_threads(),
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "async_scheduling": llm.engine.async_scheduling,  # of the continuous run; static is synchronous
+        "cuda_graphs": llm.engine.runner.use_cuda_graphs,
     }
     run = dict(llm=llm, hf_model=hf_model, hf_continuous="transformers" in compare, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, progress=progress)
     if workload == "sweep":
@@ -243,7 +245,9 @@ def _run_dict(result: RunResult) -> dict:
 def _print_table(results: list[RunResult], summary: dict, out: TextIO) -> None:
     print(
         f"\n{summary['workload']}: {summary['num_requests']} requests, {summary['max_num_seqs']} seats, "
-        f"{summary['model']} ({summary['dtype']}, {summary['threads']} threads)",
+        f"{summary['model']} ({summary['dtype']}, {summary['threads']} threads"
+        f"{', CUDA graphs' if summary.get('cuda_graphs') else ''}"
+        f"{', async scheduling' if summary.get('async_scheduling') else ''})",
         file=out,
     )
     header = f"{'run':<25}{'tokens':>8}{'wall s':>9}{'steps':>7}{'tok/s':>9}{'vs carpool':>12}{'lat mean':>10}{'p50':>8}{'p90':>8}{'p99':>8}"
