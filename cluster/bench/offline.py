@@ -245,7 +245,7 @@ def _run_dict(result: RunResult) -> dict:
 def _print_table(results: list[RunResult], summary: dict, out: TextIO) -> None:
     print(
         f"\n{summary['workload']}: {summary['num_requests']} requests, {summary['max_num_seqs']} seats, "
-        f"{summary['model']} ({summary['dtype']}, {summary['threads']} threads"
+        f"{summary['model']} ({summary['dtype']}, {summary['threads']} thread{'s' if summary['threads'] != 1 else ''}"
         f"{', CUDA graphs' if summary.get('cuda_graphs') else ''}"
         f"{', async scheduling' if summary.get('async_scheduling') else ''})",
         file=out,

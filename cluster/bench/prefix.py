@@ -362,7 +362,7 @@ def _print_table(entry: dict, summary: dict, out: TextIO) -> None:
         what = f"{entry['num_conversations']} conversations x {entry['num_turns']} turns, closed loop"
     print(
         f"\n{entry['workload']}: {what}; {summary['output_len']} output tokens each; {summary['max_num_seqs']} seats, "
-        f"{summary['max_num_batched_tokens']}-token steps; {summary['model']} ({summary['dtype']}, {summary['threads']} threads)",
+        f"{summary['max_num_batched_tokens']}-token steps; {summary['model']} ({summary['dtype']}, {summary['threads']} thread{'s' if summary['threads'] != 1 else ''})",
         file=out,
     )
     header = (f"{'caching':<9}{'prompt tok':>11}{'out tok':>9}{'wall s':>9}{'steps':>7}{'tok/s':>9}"
