@@ -13,6 +13,7 @@
 # On 2026-12-04 the first compile made the SmolLM2-shape bench take 129 s, the 8B one 165 s.
 set -uo pipefail
 STAGES=${1:-"tests small large"}
+stage() { [[ " $STAGES " == *" $1 "* ]]; }  # a whole word of STAGES ("async" is not "sync")
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
@@ -22,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 python3 -c "import replica.attention_cuda as a; print('flashinfer', a.flashinfer_available(), 'varlen_attn parameters', sorted(a.varlen_parameters() or []))"
 
-if [[ $STAGES == *tests* ]]; then
+if stage tests; then
   stamp "engine tests on CUDA"
   # SIGINT at the limit: pytest then still prints the failures so far. Test files run in
   # parallel (one process per file at a time) on the machine's cores, sharing the GPU.
@@ -60,7 +61,7 @@ bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [sync_timeo
   fi
   rm -rf /tmp/$shape
 }
-[[ $STAGES == *small* ]] && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-0} ${NO_GRAPHS_TIMEOUT:-0} \
-  $([[ $STAGES == *sync* ]] && echo ${SYNC_TIMEOUT:-130} || echo 0)
-[[ $STAGES == *large* ]] && bench llama3-8b ${LARGE_TIMEOUT:-240} ${LARGE_PROFILE_TIMEOUT:-0}
+stage small && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-0} ${NO_GRAPHS_TIMEOUT:-0} \
+  $(stage sync && echo ${SYNC_TIMEOUT:-130} || echo 0)
+stage large && bench llama3-8b ${LARGE_TIMEOUT:-240} ${LARGE_PROFILE_TIMEOUT:-0}
 stamp done
