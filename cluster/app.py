@@ -206,7 +206,7 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
         most = config.autoscaling.max_replicas
     else:
         options["num_replicas"] = most = num_replicas if num_replicas is not None else resolve_replicas(config)
-    # Each replica refuses what it cannot hold (replica/deployment.py: 429). This bounds the
+    # Each replica refuses what it cannot hold (replica/serve/deployment.py: 429). This bounds the
     # ingress's handle queue while no replica can take a request (e.g. none running yet); past it
     # the handle raises BackPressureError, which the ingress answers with 429 too.
     options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
@@ -232,10 +232,10 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from ray import serve
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-    from replica.deployment import LLMReplica
+    from replica.serve.deployment import LLMReplica
     from router.errors import RETRY_AFTER_S
     from router.ingress import OpenAIIngress
-    from router.policy import CarpoolRequestRouter
+    from router.routing.policy import CarpoolRequestRouter
 
     engine = config.engine
     threads = max(1, math.floor(config.num_cpus_per_replica))

@@ -23,8 +23,8 @@ import typer
 from pydantic import ValidationError
 
 from cluster.config import ServeConfig, parse_bytes
-from replica.config import DTYPE_HELP
-from replica.logs import log_to_stderr
+from replica.config.engine_config import DTYPE_HELP
+from replica.serve.logs import log_to_stderr
 
 app = typer.Typer(
     name="carpool",

@@ -1,6 +1,6 @@
 """The serving settings, with defaults and validation in one place (pydantic).
 
-``ServeConfig`` composes the engine's own settings (:class:`replica.config.EngineConfig`) with the
+``ServeConfig`` composes the engine's own settings (:class:`replica.config.engine_config.EngineConfig`) with the
 cluster and HTTP settings of ``carpool serve``.
 """
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from replica.config import DEFAULT_MODEL, EngineConfig
+from replica.config.engine_config import DEFAULT_MODEL, EngineConfig
 from router.config import IngressConfig
 
 __all__ = ["DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "parse_bytes"]

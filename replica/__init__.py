@@ -2,10 +2,13 @@
 
 Public entry points: :class:`LLM` (offline), :class:`LLMEngine` (step level),
 :class:`AsyncLLMEngine` (asyncio streaming, used by the Serve replica), :class:`SamplingParams`.
+The packages, lowest first: ``config`` and ``protocol`` (torch-free types), ``core`` (scheduling,
+no torch), ``kernels``, ``attention``, ``sample``, ``worker`` (the forward), ``engine`` (the step
+loop) and ``serve`` (the Ray Serve replica); ``docs/development.md`` maps them.
 """
 
-from replica.request import CompletionOutput, FinishReason, RequestOutput, StepOutput
-from replica.sampling_params import SamplingParams
+from replica.protocol.outputs import CompletionOutput, EngineOutput, FinishReason, RequestOutput
+from replica.protocol.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
@@ -14,22 +17,22 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
-    "StepOutput",
+    "EngineOutput",
     "FinishReason",
 ]
 
 
 def __getattr__(name):  # lazy: importing the package must not pull in torch
     if name == "LLM":
-        from replica.llm import LLM
+        from replica.engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from replica.engine import LLMEngine
+        from replica.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "AsyncLLMEngine":
-        from replica.async_engine import AsyncLLMEngine
+        from replica.engine.async_engine import AsyncLLMEngine
 
         return AsyncLLMEngine
     raise AttributeError(name)

@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from replica.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
+from replica.protocol.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from router.config import IngressConfig
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
 

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from ray.exceptions import RayActorError
 
-from replica.errors import EngineDeadError
-from replica.sampling_params import SamplingParams
+from replica.protocol.errors import EngineDeadError
+from replica.protocol.sampling_params import SamplingParams
 from router.delta_receiver import ConnectionLost, DeltaReceiver, ReplicaUnreachable
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def cancel_all(streams: list[ChoiceStream]) -> None:
 def replica_gone(exc: BaseException) -> bool:
     """True for the failures after which another replica may serve the request from scratch: the
     replica process died or cannot be reached (Ray's ``ActorDiedError``/``ActorUnavailableError``,
-    both ``RayActorError``), or its engine loop died (:class:`~replica.errors.EngineDeadError`),
+    both ``RayActorError``), or its engine loop died (:class:`~replica.protocol.errors.EngineDeadError`),
     raised as is or inside a ``RayTaskError``; or its batched-delta connection could not be made
     or ended (:class:`~router.delta_receiver.ReplicaUnreachable`,
     :class:`~router.delta_receiver.ConnectionLost`)."""

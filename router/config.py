@@ -82,7 +82,7 @@ class IngressConfig(BaseModel):
         description=(
             "Streamed requests get their tokens from each replica over one TCP connection per "
             "replica, one message per engine step for all of this ingress's requests there, instead "
-            "of one Ray stream item per request per step (replica/delta_channel.py). The replicas' "
+            "of one Ray stream item per request per step (replica/serve/delta_channel.py). The replicas' "
             "nodes must accept connections from the ingress's on the port the OS gives them."
         ),
     )

@@ -1,5 +1,5 @@
 """Batched deltas, ingress side: one TCP connection per replica receives the deltas of all of this
-ingress's streamed requests there, one frame per engine step (``replica/delta_channel.py`` is the
+ingress's streamed requests there, one frame per engine step (``replica/serve/delta_channel.py`` is the
 other end and describes the protocol).
 
 :class:`DeltaReceiver` keeps an ``asyncio.Queue`` per request, registered before the request is
@@ -21,8 +21,8 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from replica.delta_channel import HEADER, KEY_BYTES
-from replica.request import StepOutput, merge_queued
+from replica.protocol.wire import HEADER, KEY_BYTES
+from replica.protocol.outputs import EngineOutput, merge_queued
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def on_call_end(queue: asyncio.Queue, watch: asyncio.Future) -> None:
     queue.put_nowait(CallEnded(None if error is None or isinstance(error, StopAsyncIteration) else error))
 
 
-async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -> AsyncIterator[StepOutput]:
+async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -> AsyncIterator[EngineOutput]:
     """The deltas of an admitted request from its queue, until the finished one; deltas that
     piled up come out merged into one. ``watch`` is the task awaiting the end of its replica
     call (:func:`on_call_end`).
@@ -90,7 +90,7 @@ async def queued_deltas(queue: asyncio.Queue, watch: Optional[asyncio.Future]) -
     held = None
     call_ended = False
     failed: Optional[BaseException] = None  # the call's error, raised once the connection ends
-    pending: Optional[StepOutput] = None  # deltas that came after ``failed``, held back
+    pending: Optional[EngineOutput] = None  # deltas that came after ``failed``, held back
     give_up_at = 0.0  # loop time at which ``failed`` is raised if the connection has not ended
     while True:
         if held is not None:

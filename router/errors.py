@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from replica.errors import EngineDeadError, ReplicaOverloadedError, RequestAbortedError, RequestFailedError
+from replica.protocol.errors import EngineDeadError, ReplicaOverloadedError, RequestAbortedError, RequestFailedError
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class _Guard:
 
     api_key: str | None = None
     max_request_body_bytes: int | None = None
-    metrics = None  # replica.metrics.IngressMetrics
+    metrics = None  # router.metrics.IngressMetrics
 
 
 _guard = _Guard()
@@ -182,7 +182,7 @@ def replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
     ``ValueError`` (the engine refused the request) → 400; a full replica
-    (:class:`~replica.errors.ReplicaOverloadedError`) or a full handle queue (Serve's
+    (:class:`~replica.protocol.errors.ReplicaOverloadedError`) or a full handle queue (Serve's
     ``BackPressureError``) → 429 with ``Retry-After``; an internal error of the engine that ended
     this request alone (``RequestFailedError``) → 500; anything else (the replica process died,
     its engine loop stopped, the server ended the request while shutting down) → 503, so that

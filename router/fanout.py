@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 from ray.serve.handle import DeploymentHandle
 
-from replica.request import StepOutput
-from replica.sampling_params import SamplingParams
+from replica.protocol.outputs import EngineOutput
+from replica.protocol.sampling_params import SamplingParams
 from router.choice_stream import ChoiceStream, cancel, cancel_all, replica_gone
 from router.delta_receiver import DeltaReceiver, ReplicaUnreachable, on_call_end, queued_deltas
 from router.errors import StreamError, replica_error
@@ -227,7 +227,7 @@ class Fanout:
         self._start(s)
         await self._admitted(s)
 
-    async def _choice_deltas(self, s: ChoiceStream) -> AsyncIterator[StepOutput]:
+    async def _choice_deltas(self, s: ChoiceStream) -> AsyncIterator[EngineOutput]:
         """The deltas of one admitted choice. If its replica is gone before the first delta (so
         nothing of this choice has reached the client), the choice starts again once on another
         replica and its deltas follow from there."""
@@ -243,7 +243,7 @@ class Fanout:
                     raise
                 await self._restart(s, exc)
 
-    async def _stream_choices(self, streams: list[ChoiceStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+    async def _stream_choices(self, streams: list[ChoiceStream]) -> AsyncIterator[tuple[int, EngineOutput]]:
         """Yield ``(choice index, delta)`` from the admitted streams (:meth:`open_streams`) as
         deltas arrive (:meth:`_choice_deltas`). Closing this generator cancels every replica
         request still running."""
@@ -286,7 +286,7 @@ class Fanout:
                 task.cancel()
             cancel_all(streams)
 
-    async def deltas(self, streams: list[ChoiceStream]) -> AsyncIterator[tuple[int, StepOutput]]:
+    async def deltas(self, streams: list[ChoiceStream]) -> AsyncIterator[tuple[int, EngineOutput]]:
         """``(choice index, delta)`` of every admitted stream (:meth:`open_streams`) as deltas
         arrive. Raises :class:`~router.errors.StreamError` (one OpenAI error) when a replica
         request fails; closing it cancels every replica request still running."""
@@ -297,7 +297,7 @@ class Fanout:
             raise StreamError(replica_error(exc)) from None
 
     # ---- not streamed ----------------------------------------------------------------------------
-    async def run_all(self, prepared: Prepared) -> list[StepOutput]:
+    async def run_all(self, prepared: Prepared) -> list[EngineOutput]:
         """Non-streaming: one ``generate_all`` call per choice (one message back, not one per
         token); returns each job's whole output, in the order of ``prepared.jobs()``. A choice
         whose replica is gone is started again once on another replica (nothing of it has reached
@@ -308,7 +308,7 @@ class Fanout:
             OpenAIError: the first failure, mapped by :func:`~router.errors.replica_error`.
         """
 
-        async def run(index: int, ids: list[int], params: SamplingParams) -> StepOutput:
+        async def run(index: int, ids: list[int], params: SamplingParams) -> EngineOutput:
             s = ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None)
             while True:
                 s.gen = self.replica.generate_all.remote(s.request_id, ids, params)

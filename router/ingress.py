@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 from router.config import IngressConfig
 from router.delta_receiver import DeltaReceiver
 from router.errors import configure, install
@@ -101,15 +101,15 @@ class OpenAIIngress:
         replica: handle of the ``LLMReplica`` deployment.
         config: the :class:`~router.config.IngressConfig` fields as a dict
             (:meth:`~router.config.IngressConfig.ingress_fields`).
-        engine: the replicas' engine settings as a dict (:class:`~replica.config.EngineConfig`
+        engine: the replicas' engine settings as a dict (:class:`~replica.config.engine_config.EngineConfig`
             fields); the ingress reads ``model``, ``tokenizer`` and ``max_num_seqs``.
     """
 
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any]) -> None:
-        from replica.deployment import _replica_id
-        from replica.metrics import IngressMetrics
-        from replica.logs import log_through_serve
-        from replica.model_loader import load_tokenizer, resolve_model_path
+        from replica.serve.replica_info import replica_id
+        from router.metrics import IngressMetrics
+        from replica.serve.logs import log_through_serve
+        from replica.config.model_files import load_tokenizer, resolve_model_path
 
         log_through_serve()
         self.config = IngressConfig(**config)
@@ -117,7 +117,7 @@ class OpenAIIngress:
         self.root_model = engine_config.model
         self.model_name = self.config.served_name(self.root_model)
         self.tokenizer = load_tokenizer(resolve_model_path(engine_config.tokenizer or self.root_model, weights=False))
-        self.metrics = IngressMetrics(model_name=self.model_name, replica=_replica_id())
+        self.metrics = IngressMetrics(model_name=self.model_name, replica=replica_id())
         configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self.replicas = ReplicaView(replica, seats=engine_config.max_num_seqs, waiting=self.config.max_waiting_requests)
         self.checks = BodyChecks(self.config, self.model_name)
@@ -155,7 +155,7 @@ class OpenAIIngress:
         alone (with a warning in the log), never an error."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        from replica.metrics import merge_expositions
+        from router.metrics import merge_expositions
 
         try:
             results = await self.fanout.replica.broadcast("metrics_text").results_async(

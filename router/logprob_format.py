@@ -1,4 +1,4 @@
-"""OpenAI and vLLM logprobs objects from the replicas' :class:`~replica.request.TokenLogprobs`.
+"""OpenAI and vLLM logprobs objects from the replicas' :class:`~replica.protocol.outputs.TokenLogprobs`.
 
 Three shapes: a completion choice's legacy ``logprobs`` (tokens, token_logprobs, top_logprobs,
 text_offset), a chat choice's ``logprobs.content`` list, and vLLM's ``prompt_logprobs``. Tokens are
@@ -9,7 +9,7 @@ named by decoding each on its own, as vLLM and OpenAI do; ``-inf`` becomes ``-99
 
 from typing import Any
 
-from replica.request import TokenLogprobs
+from replica.protocol.outputs import TokenLogprobs
 
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports this value instead
 

@@ -18,7 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from replica.sampling_params import SamplingParams
+from replica.protocol.sampling_params import SamplingParams
 from router.body_checks import parse_logit_bias
 from router.chat_template import ChatEncoder
 from router.config import IngressConfig

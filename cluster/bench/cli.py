@@ -11,8 +11,8 @@ from typing import List, Optional
 
 import typer
 
-from replica.config import DTYPE_HELP
-from replica.logs import log_to_stderr
+from replica.config.engine_config import DTYPE_HELP
+from replica.serve.logs import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",

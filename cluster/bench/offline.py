@@ -173,7 +173,7 @@ def offline_main(
             request.prompt_logprobs = 1
         summary["prompt_logprobs_requests"] = min(prompt_logprobs_requests, len(requests))
         if constrained_requests:
-            from replica.structured_output import StructuredOutputsParams
+            from replica.protocol.constraints import StructuredOutputsParams
 
             for request in requests[-constrained_requests:]:
                 request.structured_outputs = StructuredOutputsParams(json=wl.ENDLESS_JSON)

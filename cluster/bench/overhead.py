@@ -65,7 +65,7 @@ def run_served(
 
     from cluster import app as carpool_app
     from cluster.config import ServeConfig
-    from replica.config import EngineConfig
+    from replica.config.engine_config import EngineConfig
 
     engine = EngineConfig(**({"model": model} if model else {}), dtype=dtype, max_num_seqs=max_num_seqs)
     config = ServeConfig(replicas=replicas, port=_free_port(), app_name="bench-overhead", engine=engine)

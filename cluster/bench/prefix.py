@@ -149,7 +149,7 @@ def run_prefix_workload(
             time.sleep(max(0.0, due[0][0] - time.monotonic()))
             continue
         outputs = engine.step()
-        step_out = engine.last_step_output
+        step_out = engine.last_scheduler_output
         if step_out is not None:
             for row in step_out.scheduled:
                 cached_at_start.setdefault(row.request.request_id, row.start)

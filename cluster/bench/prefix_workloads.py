@@ -17,7 +17,7 @@ template's text between two user turns once per question). Over HTTP the message
 text and the server applies the template (so a reply may tokenize differently when it is resent).
 
 :func:`simulate_prefix_cache` replays prompts through one unbounded cache of block hashes
-(``replica.prefix_hash``): the best hit rate any engine or router could reach on that workload.
+(``replica.protocol.prefix_hash``): the best hit rate any engine or router could reach on that workload.
 
 The text is original prose written for this benchmark (a fictional transit agency's help-desk
 brief), so that prompts tokenize like real text and the workload stays the same from run to run.
@@ -255,7 +255,7 @@ class PrefixCacheSimulator:
         self.hits = 0
 
     def query(self, prompt_ids: Sequence[int]) -> int:
-        from replica.prefix_hash import block_hashes
+        from replica.protocol.prefix_hash import block_hashes
 
         hashes = block_hashes(prompt_ids, self.block_size)
         limit = (len(prompt_ids) - 1) // self.block_size
@@ -267,7 +267,7 @@ class PrefixCacheSimulator:
         return n * self.block_size
 
     def insert(self, token_ids: Sequence[int]) -> None:
-        from replica.prefix_hash import block_hashes
+        from replica.protocol.prefix_hash import block_hashes
 
         self.blocks.update(block_hashes(token_ids, self.block_size))
 

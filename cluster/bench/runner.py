@@ -198,7 +198,7 @@ def _run(engine, workload: list[BenchRequest], policy: str, progress: bool) -> R
             name_of[request.request_id] = item.id
             requests.append((item, request))
         outputs = engine.step()
-        out = engine.last_step_output
+        out = engine.last_scheduler_output
         if out is not None and not out.is_empty:
             tracker.record(scheduler.step_count - first_step, out.scheduled, scheduler.running, name_of)
         bar.update(sum(len(o.new_token_ids) for o in outputs))

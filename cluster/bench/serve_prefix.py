@@ -98,7 +98,7 @@ def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
 
 def load_tokenizer(name: str):
     """The tokenizer the ingress uses for ``name`` (a hub id or a folder; no weights fetched)."""
-    from replica.model_loader import load_tokenizer as load, resolve_model_path
+    from replica.config.model_files import load_tokenizer as load, resolve_model_path
 
     return load(resolve_model_path(name, weights=False))
 

@@ -1,7 +1,7 @@
 """The OpenAI API end to end: real Ray Serve, real SmolLM2 (float32), the real ``openai`` client.
 
 One replica, compiled as served by default; greedy outputs are compared with the eager offline
-engine (``replica.llm.LLM``) in this process. After every test the replica must be idle with every
+engine (``replica.engine.llm.LLM``) in this process. After every test the replica must be idle with every
 KV block free (conftest).
 """
 
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=64)
 CONFIG = ServeConfig(app_name="e2e-api", engine=ENGINE, max_n=4)
@@ -34,7 +34,7 @@ def offline():
     """The in-process engine with the replica's settings, but eager: the served replica runs the
     compiled model, so the comparisons also check compiled against eager (and this process skips
     a second compile of about 25 s)."""
-    from replica.llm import LLM
+    from replica.engine.llm import LLM
 
     return LLM(**{**ENGINE.model_dump(), "compile": False})
 
@@ -45,7 +45,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def offline_greedy(offline, ids: list[int], max_tokens: int):
-    from replica.sampling_params import SamplingParams
+    from replica.protocol.sampling_params import SamplingParams
 
     [out] = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens))
     return out.outputs[0]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 MAX_MODEL_LEN = 128
 ENGINE = EngineConfig(dtype="float32", max_num_seqs=4, max_model_len=MAX_MODEL_LEN, num_blocks=64, max_num_batched_tokens=16, compile=False)
@@ -37,7 +37,7 @@ def reference():
     """``(ids, logsoftmax [len(ids), V])`` of a transformers fp32 forward over a text's tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from replica.model_loader import resolve_model_path
+    from replica.config.model_files import resolve_model_path
 
     path = resolve_model_path(ENGINE.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

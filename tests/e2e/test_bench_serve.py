@@ -9,7 +9,7 @@ import pytest
 
 from cluster.bench.serve import serve_main
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 NUM_PROMPTS = 8
 SHORT, LONG = 4, 12

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 ENGINE = EngineConfig(dtype="auto", max_num_seqs=2, max_num_batched_tokens=8, num_blocks=64, max_model_len=512, compile=False)
 CONFIG = ServeConfig(app_name="e2e-disconnects", engine=ENGINE)

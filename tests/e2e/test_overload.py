@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 SEATS, WAITING, REPLICAS = 2, 2, 2
 CAPACITY = REPLICAS * (SEATS + WAITING)

@@ -70,7 +70,7 @@ FOLLOW_UPS = [
 
 
 def engine_config():
-    from replica.config import EngineConfig
+    from replica.config.engine_config import EngineConfig
 
     # auto: the served default, bfloat16 on CPUs with AVX512, or AVX2 and FMA (it prefilled faster:
     # 75 s for the earlier, larger workload, 115 s in float32 on an AVX512 machine); float32 took
@@ -104,7 +104,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 def best_possible(records: list[dict], block_size: int) -> dict:
     """Query and hit tokens of one unbounded prefix cache over ``records`` (``prompt`` ids,
     ``output`` ids, in the order sent), counted as the engine counts them."""
-    from replica.prefix_hash import block_hashes
+    from replica.protocol.prefix_hash import block_hashes
 
     cached: set[bytes] = set()
     queries = hits = 0
@@ -248,7 +248,7 @@ def main(out_path: str) -> None:
     from ray.cluster_utils import Cluster
 
     import cluster.app as carpool_app
-    from replica.model_loader import load_tokenizer, resolve_model_path
+    from replica.config.model_files import load_tokenizer, resolve_model_path
 
     # Each replica reserves one carpool_replica_slot; each node has one: one replica per node.
     options = carpool_app.replica_deployment_options

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 from tests.e2e.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 ENGINE = EngineConfig(
     dtype="auto", max_num_seqs=4, num_blocks=64, max_model_len=512, stall_timeout_s=3.0, enable_fault_injection=True,

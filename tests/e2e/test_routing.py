@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 from tests.e2e.conftest import process_environ
 
 # 8 seats per replica: 32 requests over 2 replicas also exercise each engine's waiting queue. With

@@ -30,14 +30,14 @@ import psutil
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 from tests.e2e.conftest import cluster_processes
 from tests.e2e.test_disconnects import assert_gauges_zero, metrics
 
 NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))
 # RSS is sampled before the first request, after the warm-up and after every CHUNK requests. The
 # warm-up's growth (about 4%) is Serve's and the allocator's first use; after it RSS is flat.
-# Before steps were padded to a few sizes (replica.shapes.padded_size), oneDNN built a
+# Before steps were padded to a few sizes (replica.kernels.shapes.padded_size), oneDNN built a
 # primitive for every new token count and RSS grew by 25% over the 5,000 requests.
 WARMUP = 1000
 CHUNK = 1000

@@ -27,7 +27,7 @@ import jsonschema
 import pytest
 
 from cluster.config import ServeConfig
-from replica.config import EngineConfig
+from replica.config.engine_config import EngineConfig
 
 ENGINE = EngineConfig(dtype="auto", max_num_seqs=32, max_model_len=1024, num_blocks=320, compile=False)
 # Streamed tokens travel as the replica call's own Ray stream here (batched_deltas off), so that

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from replica import LLM
-from replica.engine import LLMEngine
+from replica.engine.llm_engine import LLMEngine
 from tests.engine.tiny_engine import MAX_MODEL_LEN, PROMPT, greedy
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 

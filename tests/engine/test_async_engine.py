@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from replica import SamplingParams
-from replica.async_engine import AsyncLLMEngine
-from replica.engine import LLMEngine
-from replica.request import FinishReason
+from replica.engine.async_engine import AsyncLLMEngine
+from replica.engine.llm_engine import LLMEngine
+from replica.protocol.outputs import FinishReason
 from tests.engine.tiny_engine import PROMPT, boundary_stop, greedy
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 

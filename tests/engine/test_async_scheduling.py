@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.structured_output import DEAD_END, StructuredOutputsParams, forbidden_tokens
+from replica.protocol.constraints import DEAD_END, StructuredOutputsParams
+from replica.sample.grammar import forbidden_tokens
 from tests.engine.test_cuda_graphs import graph_engine
 from tests.engine.test_fidelity import SCENARIOS, WORKLOAD, assert_reference_outputs, reference_tokens, run_engine
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
@@ -42,7 +43,7 @@ def test_greedy_matches_transformers_generate(tiny_llama, scenario, compile_):
 
 @pytest.mark.parametrize("scenario", ["few-seats", "preemption"])
 def test_decode_graph_steps_take_their_input_tokens_from_the_step_in_flight(tiny_llama, scenario):
-    """Decode-only steps through :class:`~replica.cuda_graphs.DecodeGraphs` (captured on CUDA, the
+    """Decode-only steps through :class:`~replica.worker.cuda_graphs.DecodeGraphs` (captured on CUDA, the
     same static buffers uncaptured elsewhere) get the in-flight tokens written into their buffer."""
     kwargs, plan = SCENARIOS[scenario]
     llm = graph_engine(tiny_llama, async_scheduling=True, **kwargs)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from replica.attention_backends import CpuBackend, ReferenceBackend
+from replica.attention.cpu import CpuBackend
+from replica.attention.reference import ReferenceBackend
 from tests.helpers import TEST_DEVICE
 
 BLOCK = 4
@@ -19,7 +20,7 @@ HEADS, KV_HEADS, DIM = 6, 2, 64
 
 def _fast_backend(device: torch.device, dtype: torch.dtype):
     if device.type == "cuda":
-        from replica.attention_cuda import CudaBackend
+        from replica.attention.cuda import CudaBackend
 
         backend = CudaBackend(BLOCK, device)
         backend.configure(HEADS, KV_HEADS, DIM, dtype)
@@ -28,8 +29,8 @@ def _fast_backend(device: torch.device, dtype: torch.dtype):
 
 
 def _step(query_lens: list[int], context_lens: list[int], num_blocks: int) -> tuple:
-    """A step's StepSequences with disjoint, shuffled blocks per sequence."""
-    from replica.attention import StepSequences
+    """A step's AttentionMetadata with disjoint, shuffled blocks per sequence."""
+    from replica.attention.backend import AttentionMetadata
 
     rng = np.random.default_rng(0)
     q_lens, ctx = np.array(query_lens), np.array(context_lens)
@@ -44,7 +45,7 @@ def _step(query_lens: list[int], context_lens: list[int], num_blocks: int) -> tu
         for pos in range(ctx[i], lens[i]):
             slots.append(tables[i, pos // BLOCK] * BLOCK + pos % BLOCK)
     query_start = np.concatenate([[0], np.cumsum(q_lens)])
-    return StepSequences(query_start, q_lens, ctx, lens, tables, np.array(slots), int(q_lens.sum()))
+    return AttentionMetadata(query_start, q_lens, ctx, lens, tables, np.array(slots), int(q_lens.sum()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

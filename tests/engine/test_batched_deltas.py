@@ -1,4 +1,4 @@
-"""Batched deltas (``replica/delta_channel.py``, ``router/delta_receiver.py``): a replica's streamed
+"""Batched deltas (``replica/serve/delta_channel.py``, ``router/delta_receiver.py``): a replica's streamed
 requests reach their ingress over one TCP connection, one frame per engine step.
 
 A real ``LLMReplica`` (outside Serve, with the tiny Llama) and the ingress's real
@@ -17,10 +17,11 @@ import functools
 
 import pytest
 
-import replica.delta_channel as delta_channel
+import replica.serve.delta_channel as delta_channel
 from replica import SamplingParams
-from replica.delta_channel import DeltaChannels, encode_frame
-from replica.request import StepOutput
+from replica.serve.delta_channel import DeltaChannels
+from replica.protocol.wire import encode_frame
+from replica.protocol.outputs import EngineOutput
 from router.delta_receiver import ConnectionLost, DeltaReceiver, on_call_end, queued_deltas
 from tests.engine.test_failures import PROMPTS, make_replica, run
 from tests.helpers import assert_idle
@@ -48,7 +49,7 @@ async def start(replica, receiver: DeltaReceiver, rid: str, ids: list[int], para
     return queue, call, watch
 
 
-async def batched(replica, receiver: DeltaReceiver, rid: str, ids: list[int], params: SamplingParams) -> list[StepOutput]:
+async def batched(replica, receiver: DeltaReceiver, rid: str, ids: list[int], params: SamplingParams) -> list[EngineOutput]:
     queue, _, watch = await start(replica, receiver, rid, ids, params)
     try:
         return [d async for d in queued_deltas(queue, watch)]
@@ -114,7 +115,7 @@ def test_an_error_and_a_cancellation_reach_only_their_request(replica):
     (bad, good), first = run(scenario())
     assert isinstance(bad, ValueError) and "vocab" in str(bad).lower(), bad
     assert good[-1].finished and sum(len(d.new_token_ids) for d in good) == 8
-    assert isinstance(first, StepOutput) and not first.finished
+    assert isinstance(first, EngineOutput) and not first.finished
     assert_idle(replica.engine.engine)
     assert replica._inflight == 0
 
@@ -134,8 +135,8 @@ def test_a_connection_with_an_unknown_key_is_closed_and_its_readers_told():
 
 
 def test_deltas_wait_for_the_connection_then_arrive_in_order_and_merged():
-    def delta(rid: str, token: int, finished: bool = False) -> StepOutput:
-        return StepOutput(rid, [token], str(token), None, finished, "length" if finished else None, None, 3, token)
+    def delta(rid: str, token: int, finished: bool = False) -> EngineOutput:
+        return EngineOutput(rid, [token], str(token), None, finished, "length" if finished else None, None, 3, token)
 
     async def scenario():
         channels = DeltaChannels("127.0.0.1")
@@ -173,11 +174,11 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
     monkeypatch.setattr(delta_receiver, "CALL_END_GRACE_S", 0.2)
     died = RuntimeError("the replica died")
 
-    def delta(token: int, finished: bool) -> StepOutput:
-        return StepOutput("a", [token], str(token), None, finished, "length" if finished else None, None, 3, token)
+    def delta(token: int, finished: bool) -> EngineOutput:
+        return EngineOutput("a", [token], str(token), None, finished, "length" if finished else None, None, 3, token)
 
     async def drain(queue: asyncio.Queue):
-        got: list[StepOutput] = []
+        got: list[EngineOutput] = []
         try:
             async for d in queued_deltas(queue, None):
                 got.append(d)
@@ -235,9 +236,9 @@ class Unpicklable(Exception):
 def test_an_item_that_does_not_pickle_costs_only_its_own_request():
     import pickle
 
-    from replica.errors import RequestFailedError
+    from replica.protocol.errors import RequestFailedError
 
-    ok = StepOutput("a", [5], "x", None, True, "length", None, 3, 1)
+    ok = EngineOutput("a", [5], "x", None, True, "length", None, 3, 1)
     frame = encode_frame([("a", ok), ("b", Unpicklable(1, 2))])
     items = pickle.loads(frame[delta_channel.HEADER.size :])
     assert items[0] == ("a", ok)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replica import cpu_kernels
+from replica.kernels import cpu_kernels
 
 BUILT = cpu_kernels.load()
 needs_kernels = pytest.mark.skipif(not BUILT, reason="Carpool's CPU kernels could not be built (no C++ compiler)")
@@ -29,7 +29,7 @@ def test_the_kernels_build_where_a_compiler_is():
     """A build failure would silently cost the engine its fast paths: make it a test failure."""
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    assert BUILT, "the kernels in replica/csrc/ failed to build (see the warning logged by cpu_kernels.load)"
+    assert BUILT, "the kernels in replica/kernels/csrc/ failed to build (see the warning logged by cpu_kernels.load)"
 
 
 @needs_kernels

@@ -1,4 +1,4 @@
-"""Carpool's float32-accumulating linear kernel (``replica/csrc/cpu_linear_f32.cpp``) against
+"""Carpool's float32-accumulating linear kernel (``replica/kernels/csrc/cpu_linear_f32.cpp``) against
 float64 and against itself: within the rounding bound of a float32 dot product, bf16 weights
 giving exactly the float32 sums of their widened values rounded to bf16, a row's bits the same in
 any batch, and the engine's linears routed through it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica import cpu_kernels
+from replica.kernels import cpu_kernels
 
 BUILT = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(
@@ -155,7 +155,7 @@ def test_prepack_linears_routes_a_float32_model_through_the_kernel(tiny_llama):
     rounding; the greedy token is the same."""
     from transformers import AutoModelForCausalLM
 
-    from replica.compilation import prepack_linears
+    from replica.worker.compilation import prepack_linears
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
@@ -177,7 +177,7 @@ def test_a_linear_layer_with_a_forward_of_its_own_keeps_it():
     those of the unpacked model within float32 rounding."""
     from transformers import AutoModelForCausalLM, PhimoeConfig
 
-    from replica.compilation import prepack_linears
+    from replica.worker.compilation import prepack_linears
 
     torch.manual_seed(0)
     config = PhimoeConfig(
@@ -204,7 +204,7 @@ def test_falcon_s_linear_subclass_is_packed():
     from transformers import AutoModelForCausalLM, FalconConfig
     from transformers.models.falcon.modeling_falcon import FalconLinear
 
-    from replica.compilation import prepack_linears
+    from replica.worker.compilation import prepack_linears
 
     torch.manual_seed(0)
     config = FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, bias=True)
@@ -269,7 +269,7 @@ def test_a_linear_subclass_is_packed_only_where_its_forward_is_linear_s(cls, pac
     """A subclass is packed where its output is ``nn.Linear``'s; one that scales, returns a tuple,
     clamps or normalises keeps its forward. Upcasting to float32 is ``nn.Linear``'s forward only
     for a float32 model."""
-    from replica.compilation import _plain_linear
+    from replica.worker.compilation import _plain_linear
 
     torch.manual_seed(0)
     module = cls(24, 40).to(dtype)
@@ -282,7 +282,7 @@ def test_a_linear_subclass_is_packed_only_where_its_forward_is_linear_s(cls, pac
 def test_a_forward_set_on_the_instance_is_probed_too():
     """A forward replaced on a plain ``nn.Linear`` (as quantisation toolkits do) is checked like
     a subclass's: one that doubles its output keeps it."""
-    from replica.compilation import _plain_linear
+    from replica.worker.compilation import _plain_linear
 
     module = torch.nn.Linear(24, 40)
     plain = torch.nn.Linear.forward
@@ -299,7 +299,7 @@ def test_a_float32_layer_kept_in_a_bf16_model_keeps_its_forward():
     the unpacked model's."""
     from transformers import AutoModelForCausalLM, ErgoConfig
 
-    from replica.compilation import prepack_linears
+    from replica.worker.compilation import prepack_linears
 
     torch.manual_seed(0)
     config = ErgoConfig(
@@ -326,7 +326,7 @@ def test_prepack_linears_routes_a_bf16_model_through_the_kernel_without_avx512_b
     linears within bf16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    from replica.compilation import prepack_linears
+    from replica.worker.compilation import prepack_linears
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
@@ -350,7 +350,7 @@ def test_a_tied_embedding_reads_the_bf16_kernel_s_packed_weight(pack, dtype):
     weight. On the bf16 kernel's layout the weight is released and the embedding's rows, read
     from the packed copy, are the weight's bit for bit, for ids on both sides of a panel's edge,
     in any shape; on the float32 kernel's layout the embedding keeps the weight."""
-    from replica.compilation import _pack_each
+    from replica.worker.compilation import _pack_each
 
     torch.manual_seed(0)
     weight = torch.randn(100, 63).to(dtype)

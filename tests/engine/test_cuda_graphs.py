@@ -1,4 +1,4 @@
-"""Decode steps through ``DecodeGraphs`` (replica/cuda_graphs.py): the buckets, the padding of the
+"""Decode steps through ``DecodeGraphs`` (replica/worker/cuda_graphs.py): the buckets, the padding of the
 static buffers, and greedy fidelity of the padded static-buffer path.
 
 On CPU the path runs without capturing (``capture=False``): the same buckets, buffers and padding,
@@ -14,15 +14,9 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica import cpu_kernels, cuda_graphs
-from replica.cuda_graphs import (
-    MAX_GRAPH_BATCH,
-    MAX_GRAPH_CONTEXT,
-    DecodeGraphs,
-    graph_batch_sizes,
-    graph_memory_reserve,
-    graph_widths,
-)
+from replica.kernels import cpu_kernels
+from replica.worker import cuda_graphs
+from replica.worker.cuda_graphs import MAX_GRAPH_BATCH, MAX_GRAPH_CONTEXT, DecodeGraphs, graph_batch_sizes, graph_memory_reserve, graph_widths
 from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 

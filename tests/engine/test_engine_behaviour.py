@@ -19,7 +19,7 @@ import shutil
 import pytest
 
 from replica import LLM, SamplingParams
-from replica.request import FinishReason
+from replica.protocol.outputs import FinishReason
 from tests.engine.tiny_engine import MAX_MODEL_LEN, PROMPT, boundary_stop, greedy
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 
@@ -287,7 +287,7 @@ def test_abort_waiting_and_running_requests_frees_seat_and_blocks_at_once(llm, e
 def test_padded_steps_keep_tokens_and_bound_shapes(llm, engine):
     """With step padding on, each step's token count and logits rows are padded to their bucket
     (the model only sees bucket sizes), and every request's tokens are the same as with it off."""
-    from replica.shapes import padded_size
+    from replica.kernels.shapes import padded_size
 
     runner = engine.runner
     prompts = [[(101 + 37 * i + 11 * j) % 2000 + 50 for j in range(3 + 5 * i)] for i in range(12)]

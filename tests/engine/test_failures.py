@@ -19,8 +19,8 @@ import time
 import pytest
 
 from replica import LLM, SamplingParams
-from replica.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from replica.engine import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, LLMEngine
+from replica.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from replica.engine.llm_engine import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, LLMEngine
 from tests.helpers import assert_idle
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,7 +156,7 @@ async def collect(engine: AsyncLLMEngine, request_id: str, ids: list[int], **kw)
 
 def make_replica(tiny_llama, **engine_config):
     """An ``LLMReplica`` in this process (the Serve deployment's class, outside Serve)."""
-    from replica.deployment import LLMReplica
+    from replica.serve.deployment import LLMReplica
 
     config = dict(model=tiny_llama, dtype="float32", max_num_seqs=3, num_blocks=32, max_model_len=128)
     return LLMReplica({**config, **engine_config})

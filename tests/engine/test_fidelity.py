@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.attention import paged_attention_forward
+from replica.attention.op import paged_attention_forward
 from tests.engine.conftest import SLIDING_WINDOW
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
@@ -130,7 +130,7 @@ def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_small_prefill_chunks_as_decode_queries_match_sdpa(tiny_model_factory, family, compile_):
     """The CPU backend runs a prefill chunk as one decode query per token
-    (``StepSequences.decode_queries``; compiled, a step of such chunks and decodes stays in the
+    (``AttentionMetadata.decode_queries``; compiled, a step of such chunks and decodes stays in the
     decode graph); with that turned off every chunk goes through the padded SDPA call. Both give
     transformers' tokens, and each path really ran (the decode graph never asks the backend to
     plan; eager, the plan puts the chunks on the decode kernel or on SDPA)."""
@@ -219,7 +219,7 @@ def test_a_decode_alone_gives_the_bits_it_gives_among_others(tiny_llama, variant
     picked another token; in bf16, oneDNN's GEMM gives some rows other bits in other batches."""
     if TEST_DEVICE != "cpu":
         pytest.skip("CPU linears; on CUDA, decode graphs of other sizes may pick other GEMM kernels")
-    from replica import cpu_kernels
+    from replica.kernels import cpu_kernels
 
     cpu_kernels.load()
     if dtype == "bfloat16" and not (cpu_kernels.has_bf16_gemv() or cpu_kernels.has_f32_gemv()):
@@ -260,7 +260,7 @@ def test_a_prompts_bits_do_not_depend_on_its_chunks_or_a_cached_prefix(tiny_mode
     and logprobs are the very same prefilled whole and alone, in chunks of 42 tokens, in chunks
     beside 4 other prompts, and again from the prefix cache. Prefill chunks on SDPA (the rule
     before) gave other bits with other chunk lengths, and this test failed in both dtypes."""
-    from replica import cpu_kernels
+    from replica.kernels import cpu_kernels
 
     if not cpu_kernels.load():
         pytest.skip("Carpool's CPU kernels are not built: prefill chunks take SDPA")

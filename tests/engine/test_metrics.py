@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from replica.engine import LLMEngine
-from replica.metrics import EngineMetrics
-from replica.sampling_params import SamplingParams
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.metrics import EngineMetrics
+from replica.protocol.sampling_params import SamplingParams
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 LABELS = {"model_name": "tiny", "replica": "r0"}
@@ -93,7 +93,7 @@ def test_exposition_has_prefix_and_labels(tiny_llama):
 def test_ingress_refusals_merge_with_the_replicas_series(tiny_llama):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from replica.metrics import IngressMetrics, merge_expositions
+    from router.metrics import IngressMetrics, merge_expositions
 
     _, m = make_engine(tiny_llama)
     ingress = IngressMetrics(model_name="tiny", replica="ingress-1")

@@ -1,5 +1,5 @@
 """Models whose layers need what Carpool's cache and attention do not implement are refused at
-start with a clear error, never served with wrong tokens (replica/model_support.py, and the
+start with a clear error, never served with wrong tokens (replica/worker/model_support.py, and the
 attention function's own check of what each layer passes it)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from replica import LLM
-from replica.attention import IGNORED_ARGUMENTS, paged_attention_forward
-from replica.model_support import check_supported
+from replica.attention.op import IGNORED_ARGUMENTS, paged_attention_forward
+from replica.worker.model_support import check_supported
 from tests.engine.conftest import _config
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 
@@ -82,9 +82,9 @@ def test_an_attention_argument_the_check_let_through_fails_at_start(tiny_model_f
     """The attention function refuses what it does not compute, and every engine runs one forward
     at start (``probe_attention``), so a model the config check let through still fails at start
     rather than in every step. Here GPT-OSS, with the check switched off, passes its sinks."""
-    import replica.model_runner
+    import replica.worker.model_runner as model_runner
 
-    monkeypatch.setattr(replica.model_runner, "check_supported", lambda model: None)
+    monkeypatch.setattr(model_runner, "check_supported", lambda model: None)
     with pytest.raises(NotImplementedError, match="carpool_paged does not support s_aux"):
         LLM(model=tiny_model_factory("gpt_oss"), dtype="float32", **ON_TEST_DEVICE, num_blocks=32, compile=compile)
 
@@ -109,8 +109,8 @@ def test_a_model_that_cannot_take_an_attention_implementation_is_refused_at_load
     ``KeyError: 'carpool_paged'`` from transformers; the load now says what it means."""
     from transformers import AutoModelForCausalLM, GPTNeoConfig
 
-    from replica.attention import register_paged_attention
-    from replica.model_loader import load_model
+    from replica.attention.op import register_paged_attention
+    from replica.worker.model_loader import load_model
 
     config = GPTNeoConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]])
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -123,7 +123,7 @@ def test_a_layer_that_computes_attention_itself_is_refused(tiny_llama):
     write its K/V into the cache: the probe finds it."""
     import copy
 
-    from replica.model_support import probe_attention
+    from replica.worker.model_support import probe_attention
 
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, num_blocks=32, max_model_len=128, compile=False)
     runner = llm.engine.runner

@@ -24,7 +24,8 @@ def llm(smollm2_path):
 
 def test_default_model_id_resolves_offline():
     """The hub id resolves to the packaged copy when no hub is reachable (as on CI)."""
-    from replica.model_loader import DEFAULT_MODEL, resolve_model_path
+    from replica.config.engine_config import DEFAULT_MODEL
+    from replica.config.model_files import resolve_model_path
 
     path = resolve_model_path(DEFAULT_MODEL)
     from transformers import AutoConfig

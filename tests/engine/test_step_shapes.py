@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_padded_size_buckets():
     """Exact up to 16 rows, then at most 12.5 % padding, and few distinct sizes for a 512 budget."""
-    from replica.shapes import padded_size
+    from replica.kernels.shapes import padded_size
 
     assert [padded_size(n) for n in range(1, 17)] == list(range(1, 17))
     for n in range(17, 4097):
@@ -38,7 +38,7 @@ def test_padded_steps_bound_the_attention_shapes(tiny_llama, monkeypatch):
     tokens."""
     import torch.nn.functional as F
 
-    from replica.shapes import padded_size
+    from replica.kernels.shapes import padded_size
 
     llm = LLM(
         model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, max_num_batched_tokens=40,
@@ -80,10 +80,10 @@ def test_compiled_engine_never_recompiles_after_its_warm_up(tiny_llama, dtype, c
     graph, which the warm-up then compiles too."""
     import torch._dynamo
 
-    import replica.attention_backends
+    import replica.attention.cpu as cpu_attention
 
     if chunks == "on-sdpa":
-        monkeypatch.setattr(replica.attention_backends, "INLINE_CHUNK_PAIRS", 0)
+        monkeypatch.setattr(cpu_attention, "INLINE_CHUNK_PAIRS", 0)
     llm = LLM(model=tiny_llama, dtype=dtype, **ON_TEST_DEVICE, max_num_seqs=3, max_num_batched_tokens=24,
               block_size=4, num_blocks=24, max_model_len=96)
     prompts = [[(5 + 7 * i + 3 * j) % 3000 + 40 for j in range(n)] for i, n in enumerate([1, 3, 30, 9, 50, 2])]
@@ -114,7 +114,7 @@ def test_warm_up_steps_fit_blocks_smaller_than_their_queries(tiny_llama, backend
     """The warm-up's dummy steps (compiled engines run them at start) give every sequence a block
     table that holds its keys, also with blocks of 1 token: an engine with the reference backend,
     compile and ``block_size=1`` once failed to start (SDPA's mask 1 key longer than the context)."""
-    from replica.warm_up import _dummy_step
+    from replica.worker.warm_up import _dummy_step
 
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, compile=False, attention_backend=backend,
               block_size=1, num_blocks=64, max_num_seqs=4, max_model_len=32)

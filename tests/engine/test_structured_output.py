@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.engine import LLMEngine
-from replica.metrics import EngineMetrics
-from replica.structured_output import DEAD_END, StructuredOutputsParams, forbidden_tokens
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.metrics import EngineMetrics
+from replica.protocol.constraints import DEAD_END, StructuredOutputsParams
+from replica.sample.grammar import forbidden_tokens
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,7 +108,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
     while engine.has_unfinished_requests():
         for delta in engine.step():
             texts[delta.request_id] += delta.new_text
-        for r in engine.last_step_output.preempted:
+        for r in engine.last_scheduler_output.preempted:
             preempted_at[r.request_id].append(r.num_output_tokens)
     assert_idle(engine)
     return requests, [texts[r.request_id] for r in requests], [preempted_at[r.request_id] for r in requests]
@@ -325,7 +326,8 @@ def test_metrics_count_kinds_compiles_and_cache_hits(smollm2_path, chat):
 def test_a_bounded_json_number_accepts_in_range_values_only(smollm2_tokenizer):
     """The e2e schemas keep to integers (a number's digits are unbounded at temperature 1); the
     grammar's handling of a bounded ``number`` is checked here, token by token."""
-    from replica.structured_output import GrammarCompiler, StructuredOutputsParams
+    from replica.sample.grammar import GrammarCompiler
+    from replica.protocol.constraints import StructuredOutputsParams
 
     compiler = GrammarCompiler(smollm2_tokenizer, 49152)
     schema = {"type": "object", "properties": {"hours": {"type": "number", "minimum": 0, "maximum": 24}},

@@ -21,7 +21,7 @@ export CARPOOL_SMOLLM2_PATH=$PWD/.gpu/smollm2-tokenizer CARPOOL_TEST_DEVICE=cuda
 stamp() { echo "[$(date +%T)] $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-python3 -c "import replica.attention_cuda as a; print('flashinfer', a.flashinfer_available(), 'varlen_attn parameters', sorted(a.varlen_parameters() or []))"
+python3 -c "import replica.attention.cuda as a; print('flashinfer', a.flashinfer_available(), 'varlen_attn parameters', sorted(a.varlen_parameters() or []))"
 
 if stage tests; then
   stamp "engine tests on CUDA"

@@ -22,7 +22,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gpu/\n' >> 
 # shellcheck disable=SC2086
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   $platforms -d .whl $pins
-model=$(.venv/bin/python -c "from replica.model_loader import DEFAULT_MODEL, resolve_model_path; print(resolve_model_path(DEFAULT_MODEL))")
+model=$(.venv/bin/python -c "from replica.worker.model_loader import DEFAULT_MODEL, resolve_model_path; print(resolve_model_path(DEFAULT_MODEL))")
 cp "$model"/*.json "$model"/*.jinja .gpu/smollm2-tokenizer/ 2>/dev/null || cp "$model"/*.json .gpu/smollm2-tokenizer/
 rm -f .gpu/smollm2-tokenizer/model.safetensors
 du -sh .whl .gpu

@@ -8,11 +8,11 @@ use) unless a test gives one.
 
 from __future__ import annotations
 
-from replica.block_manager import BlockManager
-from replica.request import Request
-from replica.sampling_params import SamplingParams
-from replica.scheduler import Scheduler
-from replica.scheduler_output import SchedulerOutput
+from replica.core.block_manager import BlockManager
+from replica.core.request import Request
+from replica.protocol.sampling_params import SamplingParams
+from replica.core.scheduler import Scheduler
+from replica.core.scheduler_output import SchedulerOutput
 
 EOS = 2
 FILLER = 1000  # made-up sampled token: never EOS, never a stop id used below

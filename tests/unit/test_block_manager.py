@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from replica.block_manager import BlockManager
+from replica.core.block_manager import BlockManager
 
 
 def test_fresh_pool():

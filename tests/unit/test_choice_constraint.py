@@ -1,4 +1,4 @@
-"""A ``choice`` constraint (replica/structured_output.py, ``choice_regex``): the output is exactly one
+"""A ``choice`` constraint (replica/sample/grammar.py, ``choice_regex``): the output is exactly one
 of the listed strings, whatever characters they hold and however many there are, walked token by
 token through real matchers over SmolLM2's tokenizer."""
 
@@ -10,14 +10,8 @@ import string
 import pytest
 import torch
 
-from replica.structured_output import (
-    MAX_CHOICE_CHARS,
-    REGEX_META,
-    GrammarCompiler,
-    StructuredOutputsParams,
-    choice_regex,
-    llguidance_reason,
-)
+from replica.protocol.constraints import MAX_CHOICE_CHARS, REGEX_META, StructuredOutputsParams, choice_regex, llguidance_reason
+from replica.sample.grammar import GrammarCompiler
 
 VOCAB = 49152
 # Every character Rust's regex syntax gives a meaning to, alone and in regex-looking strings, and

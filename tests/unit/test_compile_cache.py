@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from replica.compilation import use_compile_cache
+from replica.worker.compilation import use_compile_cache
 
 
 def test_the_cache_moves_from_torchs_default_but_not_from_a_users_folder(tmp_path, monkeypatch):
@@ -28,7 +28,7 @@ def test_the_cache_is_ours_after_the_engines_imports(tmp_path):
     """The engine's imports make torch write its /tmp default into the variable first (found by a
     new user's walkthrough: the compiled code landed in /tmp/torchinductor_<user>)."""
     code = (
-        "import os, replica.model_runner; from replica.compilation import use_compile_cache; "
+        "import os, replica.worker.model_runner; from replica.worker.compilation import use_compile_cache; "
         f"use_compile_cache({str(tmp_path)!r}); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -46,17 +46,19 @@ def test_the_cache_keys_change_with_the_engine_s_sources(tmp_path, monkeypatch):
 
     import torch
 
-    from replica import compilation
-    from replica.compilation import source_tag
+    from replica.worker import compilation
+    from replica.worker.compilation import source_tag
 
     copy = tmp_path / "replica"
-    shutil.copytree(os.path.dirname(compilation.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(os.path.dirname(os.path.dirname(compilation.__file__)), copy, ignore=shutil.ignore_patterns("__pycache__"))
     before = source_tag(copy)
     assert source_tag(copy) == before
-    (copy / "attention.py").write_text((copy / "attention.py").read_text() + "\n# changed\n")
-    assert source_tag(copy) != before
-    (copy / "csrc" / "cpu_attention.h").write_text("// changed\n")
-    assert len({before, source_tag(copy)}) == 2
+    op = copy / "attention" / "op.py"
+    op.write_text(op.read_text() + "\n# changed\n")
+    changed = source_tag(copy)
+    assert changed != before
+    (copy / "kernels" / "csrc" / "cpu_attention.h").write_text("// changed\n")
+    assert len({before, changed, source_tag(copy)}) == 3
 
     monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "users-")
     previous = torch.compiler.config.cache_key_tag

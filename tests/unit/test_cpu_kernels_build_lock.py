@@ -1,4 +1,4 @@
-"""``replica.cpu_kernels.build_lock``: a builder killed mid-build no longer hangs every later start.
+"""``replica.kernels.cpu_kernels.build_lock``: a builder killed mid-build no longer hangs every later start.
 
 torch's extension loader marks a build with a ``lock`` file and waits for it without a timeout;
 these tests stand in for builders with subprocesses that hold the lock (no compiler runs).
@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from replica.cpu_kernels import build_lock
+from replica.kernels.cpu_kernels import build_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILDER = """
 import sys, time
 from pathlib import Path
-from replica.cpu_kernels import build_lock
+from replica.kernels.cpu_kernels import build_lock
 directory, hold_s = sys.argv[1], float(sys.argv[2])
 with build_lock(directory):
     (Path(directory) / "lock").touch()  # what torch's loader does while it builds

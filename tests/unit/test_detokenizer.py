@@ -7,8 +7,8 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from replica.detokenizer import IncrementalDetokenizer
-from replica.sampling_params import SamplingParams
+from replica.engine.detokenizer import IncrementalDetokenizer
+from replica.protocol.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",

@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from replica.config import EngineConfig
-from replica.model_loader import resolve_dtype
+from replica.config.engine_config import EngineConfig
+from replica.worker.model_loader import resolve_dtype
 
 
 def cpu_flags() -> set[str]:
@@ -45,7 +45,7 @@ def test_auto_on_cpu_is_bfloat16_where_onednn_or_carpools_kernel_computes_it():
     """bfloat16 where oneDNN computes it (AVX512 BW, VL and DQ, or AVX-NE-CONVERT), or where
     Carpool's float32-accumulating linear kernel builds (AVX2 and FMA), which takes bf16 weights
     in place of torch's emulated bf16 matmuls; float32 elsewhere."""
-    from replica import cpu_kernels
+    from replica.kernels import cpu_kernels
 
     flags = cpu_flags()
     native = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
@@ -56,7 +56,7 @@ def test_auto_on_cpu_is_bfloat16_where_onednn_or_carpools_kernel_computes_it():
 def test_auto_on_cpu_without_onednn_bf16_takes_bfloat16_only_with_carpools_kernel(monkeypatch):
     """The order of the CPU choice, on a torch without oneDNN (what an AVX2-only CPU looks like to
     the first test): Carpool's kernel built with AVX2 and FMA gives bfloat16; no kernel, float32."""
-    from replica import cpu_kernels
+    from replica.kernels import cpu_kernels
 
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     built = cpu_kernels.load() and cpu_kernels.has_f32_gemv()
@@ -66,7 +66,7 @@ def test_auto_on_cpu_without_onednn_bf16_takes_bfloat16_only_with_carpools_kerne
 
 
 def test_auto_on_a_device_neither_cuda_nor_cpu_is_float32_without_building_cpu_kernels(monkeypatch):
-    from replica import cpu_kernels
+    from replica.kernels import cpu_kernels
 
     def no_build(*args, **kwargs):
         raise AssertionError("resolve_dtype built CPU kernels for a non-CPU device")

@@ -13,7 +13,7 @@ import asyncio
 import socket
 
 import router.fanout as fanout
-from replica.sampling_params import SamplingParams
+from replica.protocol.sampling_params import SamplingParams
 from router.delta_receiver import DeltaReceiver
 from router.fanout import MAX_UNREACHABLE, Fanout
 

@@ -1,4 +1,4 @@
-"""Freed heap memory goes back to the OS (``replica.heap``), on glibc, with real allocations."""
+"""Freed heap memory goes back to the OS (``replica.worker.heap``), on glibc, with real allocations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from replica.heap import release_freed_heap, resident_bytes
+from replica.worker.heap import release_freed_heap, resident_bytes
 
 
 TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from replica.input_batch import InputBatch, to_device
-from replica.request import Request
-from replica.sampling_params import SamplingParams
-from replica.scheduler_output import ScheduledRequest
+from replica.worker.input_batch import InputBatch
+from replica.attention.backend import to_device
+from replica.core.request import Request
+from replica.protocol.sampling_params import SamplingParams
+from replica.core.scheduler_output import ScheduledRequest
 
 
 def _request(rid: str, prompt: list[int], blocks: list[int]) -> Request:
@@ -57,7 +58,7 @@ def test_padding_and_forget():
 def test_logits_rows_are_padded_when_the_tokens_already_fill_a_bucket():
     """18 decodes and a 2-token chunk: 20 tokens is a bucket already, and the 19 rows that sample
     are padded to 20 as well, so the output layer only ever sees warmed-up row counts."""
-    from replica.shapes import padded_size
+    from replica.kernels.shapes import padded_size
 
     batch = InputBatch(max_rows=32, max_model_len=64, block_size=16, padding_slot=999)
     scheduled = []
@@ -80,7 +81,7 @@ def test_to_device_on_cpu_is_a_view():
 
 
 def test_packed_context_slots():
-    from replica.attention_cuda import packed_context_slots
+    from replica.attention.cuda import packed_context_slots
 
     tables = torch.tensor([[3, 1], [2, 0]])
     seq_lens = torch.tensor([5, 2])

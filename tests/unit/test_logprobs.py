@@ -1,11 +1,11 @@
-"""``replica.logprobs.token_logprobs``: a row's top alternatives do not depend on what the other
+"""``replica.sample.logprobs.token_logprobs``: a row's top alternatives do not depend on what the other
 rows of its step ask for."""
 
 from __future__ import annotations
 
 import torch
 
-from replica.logprobs import token_logprobs
+from replica.sample.logprobs import token_logprobs
 
 
 def test_tied_alternatives_are_the_same_alone_and_beside_a_larger_k():

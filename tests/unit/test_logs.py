@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-import replica.logs
-from replica.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_refusals_in_one_line, log_through_serve
+import replica.serve.logs as logs
+from replica.serve.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_refusals_in_one_line, log_through_serve
 
 
 def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():
     script = (
         "import io, logging, sys\n"
-        "from replica.logs import log_to_stderr\n"
+        "from replica.serve.logs import log_to_stderr\n"
         "log_to_stderr(); log_to_stderr()\n"  # a second call adds no second handler
-        "logging.getLogger('replica.deployment').info('ready: dtype=%s', 'bfloat16')\n"
+        "logging.getLogger('replica.serve.deployment').info('ready: dtype=%s', 'bfloat16')\n"
         "logging.getLogger('cluster.app').debug('not at INFO')\n"
         "logging.getLogger('some.library').info('library chatter')\n"
         # a test runner's stderr, swapped in and closed again, must not swallow later lines
@@ -26,7 +26,7 @@ def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
     assert done.stderr.splitlines() == [
-        "INFO carpool replica.deployment: ready: dtype=bfloat16",
+        "INFO carpool replica.serve.deployment: ready: dtype=bfloat16",
         "WARNING carpool router.ingress: still shown",
     ]
 
@@ -61,20 +61,20 @@ def loggers():
 
 
 def test_serve_replica_loggers_follow_serve_level_and_handlers_also_after_a_reconfigure(loggers, monkeypatch):
-    monkeypatch.setattr(replica.logs, "in_serve_replica", lambda: True)  # as in a replica's __init__
+    monkeypatch.setattr(logs, "in_serve_replica", lambda: True)  # as in a replica's __init__
     serve_logger = logging.getLogger(SERVE_LOGGER)
     first, second = Keep(), Keep()
     serve_logger.handlers = [first]
     serve_logger.setLevel(logging.INFO)
     log_through_serve()
     logging.getLogger("router.ingress").info("ingress up")
-    logging.getLogger("replica.engine").debug("below Serve's level")
+    logging.getLogger("replica.engine.llm_engine").debug("below Serve's level")
     assert first.messages == ["ingress up"]
     # Serve reconfigures a running replica in place (a new logging_config): Carpool follows.
     serve_logger.handlers = [second]
     serve_logger.setLevel(logging.WARNING)
-    logging.getLogger("replica.engine").info("now below Serve's level")
-    logging.getLogger("replica.engine").error("step failed")
+    logging.getLogger("replica.engine.llm_engine").info("now below Serve's level")
+    logging.getLogger("replica.engine.llm_engine").error("step failed")
     assert first.messages == ["ingress up"] and second.messages == ["step failed"]
 
 
@@ -89,9 +89,9 @@ def test_outside_serve_the_application_logging_setup_is_left_alone(loggers):
 
 
 def test_the_engine_replica_logs_a_refused_request_in_one_warning_line_and_a_failure_with_its_traceback(loggers, monkeypatch):
-    from replica.errors import ReplicaOverloadedError
+    from replica.protocol.errors import ReplicaOverloadedError
 
-    monkeypatch.setattr(replica.logs, "in_serve_replica", lambda: True)
+    monkeypatch.setattr(logs, "in_serve_replica", lambda: True)
     serve_logger = logging.getLogger(SERVE_LOGGER)
     saved_filters = list(serve_logger.filters)
     keep = Keep()

@@ -18,7 +18,7 @@ def test_the_wheel_carries_the_kernel_sources_and_templates(tmp_path):
     """Carpool's CPU kernels are built from their C++ sources on first use, so a wheel without
     them (package data the build leaves out unless listed) runs every CPU replica on the slower
     fallback paths; the tool template is read at start."""
-    from replica.cpu_kernels import SOURCES
+    from replica.kernels.cpu_kernels import SOURCES
 
     source = tmp_path / "src"  # a copy, so that the build writes nothing into the checkout
     source.mkdir()
@@ -33,6 +33,6 @@ def test_the_wheel_carries_the_kernel_sources_and_templates(tmp_path):
     [wheel] = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in SOURCES:
-        assert f"replica/csrc/{source.name}" in names
+        assert f"replica/kernels/csrc/{source.name}" in names
     assert "router/templates/chatml_tools.jinja" in names
     assert "cluster/bench/__init__.py" in names

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from replica.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from router.errors import replica_error as _replica_error
 
 

@@ -16,17 +16,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from replica import sampler as sampler_module
-from replica.request import Request
-from replica.sampling_params import SamplingParams
-from replica.logits_processors import (
-    apply_logit_bias,
-    apply_min_p,
-    apply_min_tokens,
-    apply_penalties,
-    apply_top_k_top_p,
-)
-from replica.sampler import Sampler
+from replica.sample import sampler as sampler_module
+from replica.core.request import Request
+from replica.protocol.sampling_params import SamplingParams
+from replica.sample.logits_processors import apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
+from replica.sample.sampler import Sampler
 
 VOCAB = 64
 EOS = 2
@@ -164,7 +158,7 @@ def test_top_k_top_p_match_transformers_warpers(top_k, top_p):
 
 @pytest.mark.parametrize("candidates", [1024, 8])  # nucleus found among candidates / sort fallback
 def test_top_p_mixed_rows_match_transformers(monkeypatch, candidates):
-    import replica.logits_processors as logits_processors
+    import replica.sample.logits_processors as logits_processors
 
     monkeypatch.setattr(logits_processors, "TOP_P_CANDIDATES", candidates)
     vocab = 2000

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from replica.request import FinishReason, RequestStatus
+from replica.protocol.outputs import FinishReason
+from replica.core.request import RequestStatus
 from tests.unit.scheduler_driver import FILLER, assert_blocks_consistent, detail, ids, make_scheduler, req, rows, step
 
 
 def test_scheduler_modules_do_not_import_torch():
     code = (
         "import sys\n"
-        "import replica.scheduler, replica.block_manager, replica.request\n"
+        "import replica.core.scheduler, replica.core.block_manager, replica.core.request\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"
     )

@@ -5,7 +5,8 @@ and the seed article's example. Step accounting as in test_scheduler.py: a reque
 
 from __future__ import annotations
 
-from replica.request import FinishReason, Request, RequestStatus
+from replica.protocol.outputs import FinishReason
+from replica.core.request import Request, RequestStatus
 from tests.unit.scheduler_driver import EOS, FILLER, assert_blocks_consistent, detail, ids, make_scheduler, req, rows, step
 
 

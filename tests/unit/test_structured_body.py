@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from replica.structured_output import StructuredOutputsParams
+from replica.protocol.constraints import StructuredOutputsParams
 from router.preparation import RequestPreparer
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from router.structured import ToolPlan, constraint_of, tool_plan

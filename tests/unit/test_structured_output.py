@@ -1,4 +1,4 @@
-"""Structured output's building blocks (replica/structured_output.py), without a model: the
+"""Structured output's building blocks (replica/sample/grammar.py), without a model: the
 constraint's shape and cache key, grammar checks, bitmask unpacking, the logit masks and the
 compile cache. The matchers are built over SmolLM2's tokenizer (vocabulary 49152)."""
 
@@ -11,18 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replica.logits_processors import apply_min_tokens, min_tokens_banned
-from replica.sampling_params import SamplingParams
-from replica.structured_output import (
-    JSON_FORMAT,
-    KINDS,
-    Grammar,
-    GrammarCompiler,
-    StructuredOutputsParams,
-    apply_grammar_masks,
-    forbidden_tokens,
-    grammar_error,
-)
+from replica.sample.logits_processors import apply_min_tokens, min_tokens_banned
+from replica.protocol.sampling_params import SamplingParams
+from replica.protocol.constraints import JSON_FORMAT, KINDS, StructuredOutputsParams, grammar_error
+from replica.sample.grammar import Grammar, GrammarCompiler, apply_grammar_masks, forbidden_tokens
 
 VOCAB = 49152
 SCHEMA = {

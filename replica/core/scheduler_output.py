@@ -1,0 +1,50 @@
+"""What a scheduler step hands the model runner: the requests of the step and their token ranges.
+
+Plain data, no torch (``replica.core.scheduler`` fills it, ``replica.worker.model_runner`` reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replica.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The step computes tokens ``[start, start + num_new_tokens)`` of ``request`` (prompt then
+    output). ``samples`` is true when the chunk reaches the last known token, so the step yields
+    a new token for it. Padding rows (static policy) recompute the last token at the next
+    position and their sample is thrown away. ``from_previous`` (async scheduling): the row's one
+    input token is the one the step still in flight samples for this request; the model runner
+    takes it from that step's device tensor.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    samples: bool
+    is_padding: bool = False
+    from_previous: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule: ``scheduled`` rows in forward order, the requests ``preempted`` to
+    make room (their blocks are free again), and ``newly_cached`` block ids registered in the
+    prefix cache for this step to fill (dropped from the cache if the step fails)."""
+
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    newly_cached: list[int] = field(default_factory=list)  # blocks registered for this step to fill
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

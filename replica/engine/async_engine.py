@@ -1,0 +1,378 @@
+"""asyncio streaming over :class:`~replica.engine.llm_engine.LLMEngine`, with the step loop on its own thread.
+
+The loop thread owns the engine: callers never touch it directly. They send commands (add,
+abort) through a thread-safe queue that the loop drains before every step, so an abort frees
+its seat and blocks before the next step runs. Outputs go back to each request's
+``asyncio.Queue`` on the caller's event loop. torch releases the GIL inside the forward, so the
+event loop (HTTP, Serve) stays responsive while a step runs.
+
+Failures: an error inside one step ends only the requests it concerns (see
+``replica.engine.llm_engine``); they get :class:`RequestFailedError` and the loop goes on. If the engine
+state is lost (``EngineStateError`` or any other escape from ``step()``), the loop stops, every
+open request gets :class:`EngineDeadError` and :attr:`AsyncLLMEngine.is_alive` turns false; the
+replica's health check then fails and Serve replaces the replica. :meth:`AsyncLLMEngine.stalled_for`
+tells how long the loop has made no progress while work is queued (a wedged loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from replica.config.engine_config import EngineConfig
+from replica.engine.llm_engine import LLMEngine
+from replica.engine.stats import EngineStats
+from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.engine.metrics import EngineMetrics
+from replica.core.request import Request
+from replica.protocol.outputs import EngineOutput, merge_queued
+from replica.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError", "RequestFailedError"]
+
+
+@dataclass
+class _Stream:
+    """Where a request's outputs go. ``added`` turns true when the loop thread has added
+    ``request`` to the engine: until then an output under the same id belongs to an earlier
+    request whose caller left (its abort still queued) and is not delivered here."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: Any  # asyncio.Queue, or a _Sink: what has put_nowait(item)
+    request: Request | None = None
+    added: bool = False
+
+
+class _Sink:
+    """A stream's receiver for :meth:`AsyncLLMEngine.run`: each delta goes to ``on_output`` at
+    once; the last one (``finished``) or an error resolves ``done``. Items after that (none are
+    expected) are ignored."""
+
+    __slots__ = ("on_output", "done")
+
+    def __init__(self, on_output: Callable[[EngineOutput], None], done: asyncio.Future) -> None:
+        self.on_output = on_output
+        self.done = done
+
+    def put_nowait(self, item: EngineOutput | BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+            return
+        try:
+            self.on_output(item)
+        except Exception as exc:  # the consumer failed: end this request
+            self.done.set_exception(exc)
+            return
+        if item.finished:
+            self.done.set_result(None)
+
+
+class AsyncLLMEngine:
+    """Run an :class:`LLMEngine` on a background thread and stream each request's deltas.
+
+    Args:
+        config: engine settings (or an already built ``engine=``).
+        metrics: Prometheus metrics the engine records into (see ``replica.engine.metrics``).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        engine: LLMEngine | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig(), metrics=metrics)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.last_step_time = time.monotonic()
+        # When the loop last made progress: finished a step, or found nothing to do.
+        self._last_progress = time.monotonic()
+        self._injected_stall_s = 0.0  # fault injection (tests): sleep this long in the next step
+        self._thread = threading.Thread(target=self._run, name="carpool-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- public API --------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot (taken by the loop thread after every step and command)."""
+        return self.engine.stats()
+
+    def stalled_for(self) -> float:
+        """Seconds the loop has gone without progress (no step finished, not idle) while requests
+        are queued or running or commands wait for it; 0.0 when it is idle or progressing."""
+        s = self.engine.stats()
+        if not (s.num_running or s.num_waiting or not self._commands.empty()):
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress)
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for tests: the loop thread sleeps ``seconds`` inside its next step
+        that has work, as a wedged forward would. Needs ``EngineConfig.enable_fault_injection``.
+
+        Raises ``RuntimeError`` when fault injection is not enabled.
+        """
+        if not self.engine.config.enable_fault_injection:
+            raise RuntimeError("fault injection is disabled (EngineConfig.enable_fault_injection)")
+        self._injected_stall_s = float(seconds)
+
+    def abort_all(self, reason: str) -> None:
+        """End every queued and running request (thread-safe); each open stream raises
+        :class:`RequestAbortedError` with ``reason``. Used when the server shuts down."""
+        self._commands.put(("abort_all", reason))
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Queue a request and yield its deltas until it finishes. Deltas that pile up while the
+        caller is busy come out merged into one.
+
+        Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
+        Closing or cancelling the iterator early aborts the request inside the engine.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request = await self._submit(request_id, prompt, prompt_token_ids, sampling_params, stream)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                item, error = merge_queued(item, stream.queue)  # only errors follow deltas here
+                finished = item.finished or error is not None
+                yield item
+                if error is not None:
+                    raise error
+                if finished:
+                    return
+        finally:
+            self._close(request, finished)
+
+    async def run(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None,
+        on_output: Callable[[EngineOutput], None],
+    ) -> None:
+        """Queue a request and call ``on_output(delta)`` with each of its deltas, on this event
+        loop, as the engine steps; return once the last one (``finished``) was passed on.
+
+        Unlike :meth:`generate`, deltas are not merged and no coroutine wakes up per delta: the
+        engine thread's one hand-over per step calls ``on_output`` directly (the batched deltas
+        of ``replica/serve/delta_channel.py``).
+
+        Raises as :meth:`generate` (``ValueError``, :class:`RequestFailedError`,
+        :class:`RequestAbortedError`, :class:`EngineDeadError`); cancelling the call aborts the
+        request inside the engine.
+        """
+        loop = asyncio.get_running_loop()
+        sink = _Sink(on_output, loop.create_future())
+        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, _Stream(loop, sink))
+        finished = False
+        try:
+            await sink.done
+            finished = True
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            finished = True
+            raise
+        finally:
+            self._close(request, finished)
+
+    def _close(self, request: Request, finished: bool) -> None:
+        """Forget a request's stream; abort it inside the engine unless it ``finished`` (ended,
+        or failed) first. The abort names this very request, not its id: a new request may
+        take the id before the loop reads the command, and must not be aborted or get this
+        one's final output."""
+        if not finished:
+            self._commands.put(("abort_closed", request))
+        with self._streams_lock:
+            self._streams.pop(request.request_id, None)
+
+    async def _submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        sampling_params: SamplingParams | None,
+        stream: "_Stream",
+    ) -> Request:
+        """Make the request, register its stream and queue it for the loop thread.
+
+        Raises ``ValueError`` (bad input or a request id in use) or :class:`EngineDeadError`."""
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            # Compiling a new constraint may take milliseconds: not on this event loop.
+            request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
+        else:
+            request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+        stream.request = request
+        with self._streams_lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its seat and blocks are free before the next step."""
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread, aborting whatever is still queued or running."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        lower_thread_priority(engine.config.loop_thread_nice)
+        try:
+            while not self._stopping:
+                block = not engine.has_unfinished_requests()
+                self._drain_commands(block=block)
+                if self._stopping:
+                    break
+                if self._injected_stall_s and engine.has_unfinished_requests():
+                    stall, self._injected_stall_s = self._injected_stall_s, 0.0
+                    logger.warning("fault injection: engine loop stalls for %.1f s", stall)
+                    time.sleep(stall)
+                outputs = engine.step()
+                self.last_step_time = self._last_progress = time.monotonic()
+                self._deliver_all([(output.request_id, output) for output in outputs])
+        except BaseException as exc:  # deliver the error to every waiting caller, then stop
+            logger.exception("engine loop failed")
+            self._error = exc
+            with self._streams_lock:
+                streams = list(self._streams)
+            self._deliver_all([(request_id, EngineDeadError(f"engine loop died: {exc!r}")) for request_id in streams],
+                              to_unadded=True)
+            return
+        for request_id in list(engine.scheduler.requests):
+            output = engine.abort(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                command, arg = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if block and not self._stopping:
+                    self._last_progress = time.monotonic()  # idle, not stuck
+                    continue
+                return
+            block = False
+            if command == "stop":
+                return
+            if command == "add":
+                request: Request = arg
+                try:
+                    self.engine.add_prepared_request(request)
+                except Exception as exc:  # refuse this request only; the loop goes on
+                    error = exc if isinstance(exc, ValueError) else ValueError(str(exc))
+                    self._deliver_all([(request.request_id, error)], to_unadded=True)
+                else:
+                    with self._streams_lock:
+                        stream = self._streams.get(request.request_id)
+                        if stream is not None and stream.request is request:
+                            stream.added = True
+            elif command == "abort":
+                output = self.engine.abort(arg)
+                if output is not None:
+                    self._deliver(arg, output)
+            elif command == "abort_closed":  # its caller is gone: nothing to deliver
+                if self.engine.scheduler.requests.get(arg.request_id) is arg:
+                    self.engine.abort(arg.request_id)
+            elif command == "abort_all":
+                for request_id in list(self.engine.scheduler.requests):
+                    if self.engine.abort(request_id) is not None:
+                        self._deliver(request_id, RequestAbortedError(arg))
+
+    def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, EngineOutput | BaseException]], *, to_unadded: bool = False) -> None:
+        """Put each ``(request_id, item)`` on its request's stream, in order: one wake-up per event
+        loop for all of them (a step's outputs come in one go, not one per request). An output
+        with an error becomes :class:`RequestFailedError`; items of requests whose caller went
+        away are dropped (their abort is queued), as are those of a closed event loop, and (unless
+        ``to_unadded``) those for a stream whose request the loop has not added yet: they belong
+        to an earlier request with the same id."""
+        puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, EngineOutput | BaseException]]] = {}
+        with self._streams_lock:
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is None or not (stream.added or to_unadded):
+                    continue
+                if isinstance(item, EngineOutput) and item.error is not None:
+                    item = RequestFailedError(item.error)
+                puts.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, queued in puts.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, queued)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, EngineOutput | BaseException]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def lower_thread_priority(increment: int) -> int | None:
+    """Add ``increment`` to the calling thread's nice value, capped at 19; return the new value.
+
+    Linux only: there ``setpriority(PRIO_PROCESS, tid)`` applies to one thread (``sched(7)``,
+    "the nice value is a per-thread attribute"); elsewhere, and for ``increment <= 0``, nothing
+    changes and ``None`` comes back. Raising one's own nice value needs no privilege. An
+    ``OSError`` (a sandbox that forbids it) is logged, not raised.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return None
+    tid = threading.get_native_id()
+    try:
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as exc:
+        logger.warning("could not lower the engine loop thread's priority: %s", exc)
+        return None
+    return nice

@@ -1,0 +1,432 @@
+"""The step-level engine: ``add_request``, ``abort``, ``step``.
+
+One ``step()`` = schedule → one forward → sample → update → detokenize. Finished requests leave
+their seat and free their blocks inside the step that finishes them; waiting requests take those
+seats in the next step. Not thread-safe: ``replica.engine.async_engine`` drives it from one thread.
+
+With ``async_scheduling`` one ``step()`` = schedule step N → launch its forward → read step N-1's
+tokens, update, detokenize → sample step N and leave it in flight: a step's outputs come out of
+the next ``step()`` call, and step N's decode rows take their input tokens from step N-1's device
+tensor (see :meth:`LLMEngine._step_overlapped`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from torch.profiler import record_function
+
+from replica.config.engine_config import EngineConfig
+from replica.core.block_manager import BlockManager
+from replica.engine.detokenizer import IncrementalDetokenizer
+from replica.engine.stats import EngineStats
+from replica.worker.kv_sizing import decide_max_model_len
+from replica.engine.metrics import EngineMetrics
+from replica.config.model_files import load_tokenizer, resolve_model_path
+from replica.worker.model_runner import ModelRunner
+from replica.protocol.outputs import FinishReason, EngineOutput, TokenLogprobs
+from replica.core.request import Request
+from replica.engine.request_builder import build_request, eos_token_ids
+from replica.protocol.sampling_params import SamplingParams
+from replica.core.scheduler import Scheduler
+from replica.core.scheduler_output import SchedulerOutput
+from replica.worker.model_runner_output import InFlight, ModelRunnerOutput
+from replica.sample.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+# A forward that fails this many times in a row means the device or model is broken, not one batch.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineStateError(RuntimeError):
+    """The engine's state can no longer be trusted; the engine must be replaced."""
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache for one transformers model.
+
+    Args:
+        config: an :class:`~replica.config.engine_config.EngineConfig` (or its fields as keyword arguments).
+        metrics: where to record Prometheus metrics (none by default, e.g. offline use).
+
+    Raises:
+        ValueError: a setting cannot work with this model (e.g. ``max_model_len`` beyond the
+            KV pool or the model's context length).
+    """
+
+    def __init__(
+        self, config: EngineConfig | None = None, *, metrics: EngineMetrics | None = None, **kwargs
+    ) -> None:
+        self.config = config or EngineConfig(**kwargs)
+        self.metrics = metrics
+        cfg = self.config
+        model_path = resolve_model_path(cfg.model)
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path, cfg.tokenizer)
+        self.runner = ModelRunner(
+            model_path,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            kv_cache_memory=cfg.kv_cache_memory,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            attention_backend=cfg.attention_backend,
+            compile=cfg.compile,
+            cuda_graphs=cfg.cuda_graphs,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        self.max_model_len = decide_max_model_len(
+            cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size
+        )
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=cfg.scheduling_policy,
+        )
+        self.vocab_size = self.runner.vocab_size
+        self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
+        self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        logger.info(
+            "engine warm-up: %s",
+            ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
+                      for key, value in self.warm_up_report.items()),
+        )
+        self.eos_token_ids = eos_token_ids(self.runner.model, self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, on_compile=metrics.on_grammar_compiled if metrics is not None else None
+        )
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.last_scheduler_output = None  # SchedulerOutput of the latest step (benchmarks read it)
+        self._consecutive_failed_steps = 0
+        self._in_flight: InFlight | None = None  # async scheduling: the step the next step() reads
+        self._refresh_stats()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and build a :class:`Request` without touching engine state (thread-safe).
+
+        Raises:
+            ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id
+                outside the vocabulary, ``prompt`` too long for ``max_model_len``, bad
+                ``sampling_params``.
+        """
+        try:
+            return self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        except ValueError:
+            if self.metrics is not None:
+                self.metrics.on_rejected()
+            raise
+
+    def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time) -> Request:
+        return build_request(
+            str(request_id) if request_id is not None else f"req-{next(self._ids)}",
+            prompt, prompt_token_ids, sampling_params, arrival_time,
+            tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, grammar_compiler=self.grammar_compiler,
+        )
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate (see :meth:`make_request`) and queue a request; returns it."""
+        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        self.add_prepared_request(request)
+        return request
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a request built by :meth:`make_request`. Raises ``ValueError`` on a duplicate id.
+
+        The detokenizer is built first, so a failure leaves nothing half-added.
+        """
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params, request.eos_token_ids
+        )
+        self.scheduler.add_request(request)
+        self._detokenizers[request.request_id] = detokenizer
+        self._refresh_stats()
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Abort a waiting or running request; its seat and blocks are free on return.
+
+        Returns its final output (``finish_reason="abort"``), or None if it is unknown or done.
+        """
+        request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
+        if request is None:
+            return None
+        request.finished_time = time.monotonic()
+        self._detokenizers.pop(request_id, None)
+        if self.metrics is not None:
+            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
+        self._refresh_stats()
+        return request.delta([], "", None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether steps overlap (``EngineConfig.async_scheduling``; None: on CUDA only); the
+        static policy (the baseline, which benchmarks may switch to on an idle engine) always runs
+        synchronously."""
+        wanted = self.config.async_scheduling
+        if wanted is None:
+            wanted = self.runner.device.type == "cuda"
+        return wanted and self.scheduler.policy == "continuous"
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        """Run one iteration; return a delta for every request that produced a token or failed.
+
+        Failures are contained (see the module docstring):
+
+        * an error that belongs to one request (sampling its row alone, detokenizing, stop
+          handling) ends that request alone: its seat and blocks are freed and its output has
+          ``finish_reason="abort"`` and ``error`` set; the step's other requests go on;
+        * an error in the batched forward ends every request of this step the same way (their
+          KV blocks may hold half-written entries), and the engine keeps serving the rest.
+
+        Raises:
+            EngineStateError: the engine state cannot be trusted any more (the scheduler failed,
+                the block accounting no longer adds up after a failure, or
+                ``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row failed). The caller must stop
+                using this engine.
+        """
+        started = time.monotonic()
+        scheduler = self.scheduler
+        queries, hits = scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+        try:
+            with record_function("carpool.schedule"):
+                out = scheduler.schedule()
+        except Exception as exc:
+            raise EngineStateError(f"the scheduler failed: {exc!r}") from exc
+        if self.metrics is not None:
+            self.metrics.on_prefix_cache(
+                queries=scheduler.prefix_cache_queries - queries, hits=scheduler.prefix_cache_hits - hits
+            )
+        self.last_scheduler_output = out
+        for request_id in self.scheduler.take_released():
+            self.runner.forget(request_id)
+        seats_taken = self.scheduler.num_seats_taken  # during this step, before finishes free seats
+        for sched in out.scheduled:
+            request = sched.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = started
+                if self.metrics is not None:
+                    self.metrics.on_first_scheduled(started - request.arrival_time)
+        if self.async_scheduling:
+            outputs = self._step_overlapped(out)
+        elif out.is_empty:
+            return []
+        else:
+            try:
+                result = self.runner.execute(out)
+            except Exception as exc:
+                return self._fail_step(out, exc)
+            self._consecutive_failed_steps = 0
+            outputs = self._process(out, result)
+        if self.metrics is not None and not out.is_empty:
+            self.metrics.on_step(
+                num_tokens=out.num_batched_tokens,
+                num_running=seats_taken,
+                num_slots=self.scheduler.max_num_seqs,
+                duration_s=time.monotonic() - started,
+                num_preempted=len(out.preempted),
+            )
+        self._refresh_stats()
+        return outputs
+
+    def _step_overlapped(self, out: SchedulerOutput) -> list[EngineOutput]:
+        """Async scheduling: launch the forward of ``out`` (just scheduled), then finish the step
+        in flight (its tokens, stops, detokenizing) while that forward runs, then sample ``out``
+        and leave it in flight. On CUDA the host work of both ends overlaps the device's work;
+        on CPU, where every op is synchronous, the same order runs without overlap."""
+        previous, self._in_flight = self._in_flight, None
+        launched = failed = None
+        if not out.is_empty:
+            self.scheduler.advance(out)
+            try:
+                launched = self.runner.launch(out, previous.tokens if previous is not None else None)
+            except Exception as exc:
+                failed = exc
+        outputs = []
+        if previous is not None:
+            prev_out, pending = previous
+            try:
+                result = pending.result()
+            except Exception as exc:
+                outputs += self._fail_step(prev_out, exc)
+            else:
+                outputs += self._process(prev_out, result, advanced=True)
+        if launched is not None:
+            try:
+                self._in_flight = InFlight(out, self.runner.sample_later(launched))
+            except Exception as exc:
+                failed = exc
+        if failed is not None:
+            return outputs + self._fail_step(out, failed)
+        if launched is not None:
+            self._consecutive_failed_steps = 0
+        return outputs
+
+    def _process(self, out: SchedulerOutput, result: ModelRunnerOutput, *, advanced: bool = False) -> list[EngineOutput]:
+        """Outputs of a step whose forward and sampling are done: failed rows end, tokens are
+        appended (``advanced``: see :meth:`Scheduler.update_from_output`), stops applied, text
+        detokenized."""
+        outputs = []
+        for row, exc in result.errors.items():  # rows whose sampling failed: end them before the update
+            request = out.scheduled[row].request
+            if request.is_finished:
+                continue
+            outputs.append(self._fail_request(request, exc))
+        for row, entries in result.prompt_logprobs.items():
+            out.scheduled[row].request.prompt_logprobs.extend(entries)
+        logprobs_of = {
+            id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
+        }
+        with record_function("carpool.update"):
+            produced = self.scheduler.update_from_output(out, result.sampled_token_ids, advanced=advanced)
+        now = time.monotonic()
+        with record_function("carpool.detokenize"):
+            for request in produced:
+                try:
+                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request)), out.step))
+                except Exception as exc:
+                    outputs.append(self._fail_request(request, exc))
+        return outputs
+
+    def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None, step: int) -> EngineOutput:
+        """Record the token just appended to ``request`` (none with ``max_tokens == 0``, whose
+        prefill just ended it) by step ``step``: metrics, detokenizer, stop strings; prompt logprobs
+        with the first."""
+        metrics = self.metrics
+        first = request.first_token_time is None
+        scored_only = request.sampling_params.max_tokens == 0
+        if first:
+            request.first_token_time = now
+        if metrics is not None:
+            if first:
+                metrics.on_prompt_prefilled(request.num_prompt_tokens)
+            if not scored_only:
+                since = now - (request.arrival_time if first else request.last_token_time)
+                metrics.on_token(first=first, since_previous_s=since)
+        request.last_token_time = now
+        token_ids, text = [], ""
+        if not scored_only:
+            token_ids = [request.output_token_ids[-1]]
+            update = self._detokenizers[request.request_id].update(token_ids, finished=request.is_finished)
+            text = update.delta_text
+            if update.stop_string is not None:
+                if request.is_finished:
+                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
+                else:
+                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string, step)
+        if request.is_finished:
+            request.finished_time = now
+            self._detokenizers.pop(request.request_id, None)
+            if metrics is not None:
+                metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
+        output = request.delta(token_ids, text, [lp] if lp else None)
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            output.prompt_logprobs = [None, *request.prompt_logprobs]
+        return output
+
+    def _fail_request(self, request: Request, exc: BaseException) -> EngineOutput:
+        """End ``request`` after an internal error: seat and blocks freed, an output with ``error``."""
+        logger.error("request %s failed: %r", request.request_id, exc, exc_info=exc)
+        if self.scheduler.requests.get(request.request_id) is request and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
+        else:  # finished in this step already (its blocks are free); report the error instead
+            request.finish_reason, request.stop_reason = FinishReason.ABORT, None
+        request.finished_time = time.monotonic()
+        self._detokenizers.pop(request.request_id, None)
+        if self.metrics is not None:
+            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
+        output = request.delta([], "", None)
+        output.error = f"internal error while generating: {type(exc).__name__}: {exc}"
+        return output
+
+    def _fail_step(self, out: SchedulerOutput, exc: BaseException) -> list[EngineOutput]:
+        """The forward of ``out`` failed: end every request it scheduled, then check the state."""
+        self._consecutive_failed_steps += 1
+        logger.error(
+            "engine step %d failed (%d in a row); ending its %d requests",
+            out.step, self._consecutive_failed_steps, len(out.scheduled), exc_info=exc,
+        )
+        outputs = []
+        seen: set[str] = set()
+        # Blocks registered for this step to fill may be half written: out of the cache. Only
+        # this step's requests hold them; blocks registered earlier were computed by earlier steps.
+        self.block_manager.uncache(out.newly_cached)
+        for sched in out.scheduled:
+            request = sched.request
+            if sched.is_padding or request.request_id in seen or request.is_finished:
+                continue  # a static batch's padding row, or (async) a request that ended meanwhile
+            seen.add(request.request_id)
+            outputs.append(self._fail_request(request, exc))
+        self._refresh_stats()
+        try:
+            self.check_integrity()
+        except AssertionError as broken:
+            raise EngineStateError(f"KV block accounting broken after a failed step: {broken}") from exc
+        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineStateError(
+                f"{self._consecutive_failed_steps} engine steps in a row failed; last error: {exc!r}"
+            ) from exc
+        return outputs
+
+    def _refresh_stats(self) -> None:
+        """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
+        aborted request), and set the metrics' gauges from it."""
+        self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
+        if self.metrics is not None:
+            self.metrics.on_state(
+                num_slots=stats.num_slots,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                num_free_blocks=stats.num_free_blocks,
+                num_total_blocks=stats.num_total_blocks,
+            )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``), e.g. between
+        benchmark runs; returns how many were dropped."""
+        dropped = self.block_manager.reset_prefix_cache()
+        self._refresh_stats()
+        return dropped
+
+    # ---- state -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """The engine's load after its latest change (step, add or abort). An immutable snapshot,
+        so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
+        return self._stats
+
+    def check_integrity(self) -> None:
+        """Block accounting holds, and every block's owner is a live request (``AssertionError`` otherwise)."""
+        self.block_manager.check_integrity()
+        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        leaked = set(self.block_manager.owners()) - live
+        if leaked:
+            raise AssertionError(f"blocks held by finished requests: {sorted(leaked)}")

@@ -1,0 +1,182 @@
+"""Every Carpool metric, defined once (prometheus-client).
+
+Names carry the ``carpool:`` prefix and vLLM's semantics where the name is shared, so that habits
+and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_name`` and
+``replica`` on every series, ``finished_reason`` on ``request_success_total``.
+
+Each engine gets its own :class:`EngineMetrics` over its own ``CollectorRegistry``; a replica
+exports that registry's text and the ingress merges all replicas' text into one ``/metrics``.
+The engine calls the ``on_*`` hooks from its step loop; gauges are refreshed from the engine's
+state after every step and command, so they return to idle (0 running, 0 waiting, 0 KV usage)
+as soon as the load ends, aborts included.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets (seconds) that resolve both a GPU (milliseconds) and this CPU (up to minutes).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+FINISH_REASONS = ("stop", "length", "abort")
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # replica.protocol.constraints.KINDS
+COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class EngineMetrics:
+    """The metrics of one engine (one replica), with its ``model_name`` and ``replica`` labels.
+
+    Args:
+        model_name: the served model's name (label ``model_name``).
+        replica: this replica's id (label ``replica``).
+        registry: where the series live (a fresh one by default, so engines never collide).
+    """
+
+    def __init__(self, model_name: str, replica: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name, "replica": replica}
+        names = list(self.labels)
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"carpool:{name}", doc, names, registry=r).labels(**self.labels)
+
+        def counter(name, doc):
+            return Counter(f"carpool:{name}", doc, names, registry=r).labels(**self.labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"carpool:{name}", doc, names, buckets=buckets, registry=r).labels(**self.labels)
+
+        # Seats
+        self.num_slots = gauge("num_slots", "Seats in the batch (max_num_seqs).")
+        self.num_requests_running = gauge("num_requests_running", "Requests in running seats.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for a seat.")
+        self.slot_utilization = gauge("slot_utilization", "Running requests / seats, 0-1, after the last step.")
+        self.batch_occupancy = histogram(
+            "batch_occupancy", "Per step: running requests / seats (0-1).", FRACTION_BUCKETS
+        )
+        # KV cache
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 0-1 (1 = every block used).")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
+        self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions by recompute (blocks ran out).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache (vLLM's semantics)."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Of the tokens looked up, those found in the prefix cache.")
+        # Tokens and steps
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens, counted once per request.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per step (prefill + decode).", TOKEN_BUCKETS
+        )
+        self.step_duration = histogram("step_duration_seconds", "Wall time of one engine step.", LATENCY_BUCKETS)
+        # Requests
+        self._success = Counter(
+            "carpool:request_success",
+            "Finished requests by finish reason (stop, length, abort).",
+            names + ["finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: self._success.labels(**self.labels, finished_reason=reason) for reason in FINISH_REASONS
+        }
+        self.requests_aborted = counter("requests_aborted", "Requests aborted (client gone or cancelled).")
+        self.requests_rejected = counter("requests_rejected", "Requests refused at admission (bad input, overload).")
+        # Structured output
+        self._constrained = Counter(
+            "carpool:structured_output_requests",
+            "Requests with an output constraint, by kind (json, json_object, regex, choice, grammar).",
+            names + ["kind"],
+            registry=r,
+        )
+        self.structured_output_requests = {
+            kind: self._constrained.labels(**self.labels, kind=kind) for kind in CONSTRAINT_KINDS
+        }
+        self.grammar_compile_time = histogram(
+            "grammar_compile_seconds", "Compiling a new output constraint (cache misses only).", COMPILE_BUCKETS
+        )
+        self.grammar_cache_hits = counter(
+            "grammar_cache_hits", "Constrained requests whose constraint was compiled already (cached)."
+        )
+        # Latency
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token (TTFT).", LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between two generated tokens of a request (ITL).", LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled (time waiting for a seat).", LATENCY_BUCKETS
+        )
+
+    # ---- hooks the engine calls -----------------------------------------------------------------
+    def on_state(self, *, num_slots: int, num_running: int, num_waiting: int, num_free_blocks: int, num_total_blocks: int) -> None:
+        """Refresh the gauges from the engine's state (after every step and command)."""
+        self.num_slots.set(num_slots)
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.slot_utilization.set(num_running / num_slots)
+        self.kv_cache_blocks_total.set(num_total_blocks)
+        self.kv_cache_blocks_free.set(num_free_blocks)
+        self.kv_cache_usage_perc.set(1.0 - num_free_blocks / num_total_blocks)
+
+    def on_step(self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float, num_preempted: int) -> None:
+        """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``."""
+        self.iteration_tokens.observe(num_tokens)
+        self.batch_occupancy.observe(num_running / num_slots)
+        self.step_duration.observe(duration_s)
+        if num_preempted:
+            self.num_preemptions.inc(num_preempted)
+
+    def on_prefix_cache(self, *, queries: int, hits: int) -> None:
+        """A step's admissions looked ``queries`` tokens up in the prefix cache and found ``hits``."""
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+            self.prefix_cache_hits.inc(hits)
+
+    def on_first_scheduled(self, queue_time_s: float) -> None:
+        self.request_queue_time.observe(queue_time_s)
+
+    def on_prompt_prefilled(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_token(self, *, first: bool, since_previous_s: float) -> None:
+        """A request got a token: TTFT for its first, ITL for the others."""
+        self.generation_tokens.inc()
+        (self.time_to_first_token if first else self.inter_token_latency).observe(since_previous_s)
+
+    def on_finished(self, finish_reason: str, e2e_s: float) -> None:
+        """A request finished (once per request), aborts included."""
+        self.request_success[finish_reason].inc()
+        self.e2e_request_latency.observe(e2e_s)
+        if finish_reason == "abort":
+            self.requests_aborted.inc()
+
+    def on_rejected(self) -> None:
+        self.requests_rejected.inc()
+
+    def on_grammar_compiled(self, kind: str, seconds: float, cached: bool) -> None:
+        """A constrained request's constraint was compiled (``cached``: copied from the cache)."""
+        self.structured_output_requests[kind].inc()
+        if cached:
+            self.grammar_cache_hits.inc()
+        else:
+            self.grammar_compile_time.observe(seconds)
+
+    def exposition(self) -> bytes:
+        """This engine's series in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+
+
+
+

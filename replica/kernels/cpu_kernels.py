@@ -1,0 +1,148 @@
+"""Carpool's own CPU kernels (``replica/kernels/csrc/``: :data:`SOURCES`), built
+on first use with torch's C++ extension loader and cached: paged decode attention, linear layers
+on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
+and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
+``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
+without Python in between; Carpool's kernels serve any number of rows and are batch-invariant), and the
+sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
+
+Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
+torch's own options read each sequence's context far below what the core can do. Measured on the
+2-core development machine, one thread, 100 decode sequences of 40 to 240 cached tokens, SmolLM2's
+9 query / 3 KV heads of 64, bf16, per layer: SDPA on gathered contexts 30 ms, flex attention
+(paged block mask) 124 ms, an inductor-compiled gather-and-reduce formulation 7.2 ms; this
+kernel's figures are in ``docs/bench/cpu-attention.md``. It is tested against the reference
+backend (SDPA). The sampling kernels' reasons are at the top of their source.
+
+:func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the
+``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
+``has_bf16_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
+``sample_rows``); it returns False, once with a warning,
+where they cannot be built (the engine then uses the compiled formulation and torch's sampling).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from replica.config.engine_config import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_avx512.cpp", "cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp"))]
+NAME = "carpool_cpu_kernels"
+_state: dict[str, bool] = {}
+
+
+def cpu_tag() -> str:
+    """A short name for this CPU's instruction sets (a hash of the flags in /proc/cpuinfo, or of
+    ``platform.processor()`` elsewhere). The kernels are built with ``-march=native``; keeping
+    each CPU's build in its own folder stops a cache shared by machines of different CPUs (a
+    volume mounted on every node) from handing one an AVX512 build it cannot run."""
+    import hashlib
+    import platform
+
+    flags = platform.machine() + platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):  # x86, Arm
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def available() -> bool:
+    """Whether :func:`load` built and registered the kernels in this process."""
+    return _state.get("ok", False)
+
+
+def has_f32_gemv() -> bool:
+    """Whether Carpool's float32-accumulating linear kernel (float32 and bf16 weights) is built
+    (the CPU has AVX2 and FMA)."""
+    return available() and torch.ops.carpool_cpu.has_f32_gemv()
+
+
+def has_bf16_gemv() -> bool:
+    """Whether Carpool's bf16 linear kernel is built (the CPU has AVX512-BF16)."""
+    return available() and torch.ops.carpool_cpu.has_bf16_gemv()
+
+
+@contextmanager
+def build_lock(build_directory: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``build_directory/carpool.flock`` while torch builds or
+    loads the extension there, and clear the ``lock`` file that a dead builder left behind.
+
+    torch's loader marks a build with a ``lock`` file and waits, without a timeout, for it to go;
+    a process killed during the build (a replica killed or OOM-killed on its first start) leaves
+    it, and every later start then hangs. The flock is released by the kernel when its holder
+    dies, and every Carpool process holds it while torch's ``lock`` exists, so a ``lock`` found
+    while holding the flock belongs to a dead process and is removed.
+    """
+    os.makedirs(build_directory, exist_ok=True)
+    with open(os.path.join(build_directory, "carpool.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released on close, or by the kernel if we die
+        stale = Path(build_directory) / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
+def load() -> bool:
+    """Build (or load from the extension cache) and register the CPU kernel; True if available.
+
+    torch keeps built extensions in ``TORCH_EXTENSIONS_DIR``, set here to
+    ``<cache_dir()>/torch_extensions`` unless already set; the build goes to
+    ``<it>/carpool_cpu_kernels/<cpu_tag()>``. Only the first call builds; later ones return its answer.
+    """
+    if "ok" in _state:
+        return _state["ok"]
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        from torch.utils.cpp_extension import load as load_extension
+
+        build_directory = os.path.join(_get_build_directory(NAME, verbose=False), cpu_tag())
+        with build_lock(build_directory):
+            load_extension(
+                name=NAME,
+                build_directory=build_directory,
+                sources=[str(path) for path in SOURCES],
+                # -fopenmp: at::parallel_for splits the kernels' loops over torch's threads only
+                # in code built with OpenMP (ATen/Parallel.h); without it they ran on one thread.
+                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as exc:  # no compiler, no ninja, ...
+        logger.warning(
+            "Carpool's CPU kernels could not be built (%s); using the compiled attention and torch's sampling", exc
+        )
+        _state["ok"] = False
+        return False
+
+    @torch.library.register_fake("carpool_cpu::decode_attention")
+    def _(query, key, value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, block_size, scale):
+        return query.new_empty(query.shape)  # contiguous, as the kernel returns (not the query's strides)
+
+    @torch.library.register_fake("carpool_cpu::packed_linear")
+    def _(x, onednn_weight, gemv_weight, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("carpool_cpu::f32_linear")
+    def _(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    _state["ok"] = True
+    return True

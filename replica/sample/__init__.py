@@ -1,0 +1,1 @@
+"""Sampling: the sampler, its logits processors, logprobs and structured-output grammar masks."""

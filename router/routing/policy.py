@@ -1,0 +1,318 @@
+"""Request routing: rank replicas by free seats, waiting requests and free KV blocks, and among
+those with a free seat prefer the one most likely to hold the prompt's prefix in its KV cache.
+
+A Ray Serve ``RequestRouter`` (``ray.serve.request_router``), running inside every caller of the
+replica deployment (the ingress). For each request Serve asks
+:meth:`CarpoolRequestRouter.choose_replicas` for ranked groups of replicas, tries the first group
+(taking its member with the fewest ongoing requests that is under ``max_ongoing_requests``) and
+falls back to the next group otherwise.
+
+Load information, three sources:
+
+* ``routing_stats``: what each replica's ``record_routing_stats()`` reports (seats =
+  ``max_num_seqs``, running, waiting, free and total KV blocks), polled by Serve's controller
+  every ``request_routing_stats_period_s``: complete, but up to a period old;
+* this router's own count of requests it has sent to each replica and not yet seen complete:
+  exact and instant for its own traffic (so a burst does not pile onto one replica between two
+  stats polls);
+* Serve's queue-length cache: the replica's ongoing requests as last reported to this router
+  (includes other callers' requests; it lags for requests still in transit).
+* reservations: a replica ranked first counts the request at once, before Serve reports it sent
+  (:data:`RESERVATION_TTL_S`), so the ``n`` choices of one request, routed concurrently, spread
+  over the replicas instead of all seeing the same idle one.
+
+A replica's *load* (engine requests running or waiting; each ongoing Serve request is one engine
+request) is the larger of the two live counts, or the reported running + waiting when neither is
+known. Its free seats are ``num_slots - load``. Ranking, best first:
+
+0. a free seat and free KV blocks: the request starts at the replica's next step;
+1. a free seat but a nearly full KV pool (it would wait for blocks or cause preemptions);
+2. no free seat: fewest waiting requests first.
+
+Among the replicas of the best tier (in tier 2: those with the fewest waiting), *power of two
+choices* (Mitzenmacher 2001): two at random, the less loaded one first (ties broken at random).
+The others follow in rank order as fallbacks. So a replica without a free seat is never chosen
+while another one has one, and equally loaded replicas share a burst evenly.
+
+**Cache-aware routing** (``prefix_aware=True``, the default; SGLang router's cache-aware policy
+with its load-balance guard). When the best tier is 0 or 1 (a free seat), the replica whose record
+holds the longest run of the prompt's leading block hashes goes first, if that run is long enough
+(below): its prefix cache most likely still has those KV blocks, so their prefill is skipped. The record
+(:class:`~router.prefix_affinity.PrefixAffinity`) is this router's own: the block hashes of every
+prompt it sent to each replica, an LRU bounded by the replica's KV pool; a prompt enters it when
+Serve confirms the replica (``on_request_routed``). Rules, in order:
+
+* only replicas of the best tier compete (so never one without a free seat while another has
+  one, and tier 1 only when no replica is in tier 0);
+* a match counts only if it covers at least ``prefix_min_match_fraction`` of the prompt's full
+  blocks (SGLang's ``cache_threshold``, same default 0.3): a new conversation that shares only a
+  short system prompt with earlier ones is placed by load, so new conversations spread evenly
+  instead of following the first replica that saw the system prompt;
+* bounded imbalance: a replica whose load exceeds the least loaded one's of that tier by more
+  than ``max(prefix_balance_abs_threshold, prefix_balance_rel_threshold * seats)`` requests does
+  not compete on its match, so a hot prefix does not pile onto one replica while others idle;
+* ties on the longest match: power of two choices among the tied replicas; no match that counts
+  (or no prompt: other calls, prompts shorter than a block): power of two choices as above.
+
+With several ingress replicas, each router keeps its own record and sees only its own traffic.
+Serve hands a chosen replica to the oldest pending request (``FIFOMixin``), which, when several
+requests are being routed at once, may not be the one it was chosen for; the record follows where
+each request really went (``on_request_routed``). Matching by request id instead (Serve's
+default) left fanned-out requests (``n`` > 1) unrouted in Ray 2.60, spinning the router.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.routing.prefix_affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity, prompt_of
+
+LOW_KV_FRACTION = 0.05
+"""A replica whose free KV blocks fall under this fraction of its pool ranks in tier 1."""
+
+RESERVATION_TTL_S = 1.0
+"""How long a replica chosen for a request counts it as load before Serve reports it sent there
+(seconds). Serve routes the ``n`` choices of one request concurrently: without reservations
+every choice would see the same idle replica and pile onto it. A reservation that Serve did not
+use (it fell back to another replica) lapses after this time."""
+
+PREFIX_BALANCE_ABS_THRESHOLD = 4
+"""Cache-aware routing's imbalance bound, in requests (running + waiting): a replica more loaded
+than the least loaded free-seat replica by more than this (or by the relative bound below, if
+larger) is not chosen for its prefix match. SGLang's router has the same guard
+(``balance_abs_threshold``)."""
+
+PREFIX_BALANCE_REL_THRESHOLD = 0.25
+"""The same bound as a fraction of a replica's seats (``max_num_seqs``): 8 requests at 32 seats."""
+
+PREFIX_MIN_MATCH_FRACTION = 0.3
+"""Cache-aware routing follows a match only if it covers at least this fraction of the prompt's
+full blocks; below it the load decides. SGLang's router has the same rule (``cache_threshold``,
+default 0.3)."""
+
+
+def replica_key(
+    stats: dict[str, Any], live_load: int | None, low_kv_fraction: float = LOW_KV_FRACTION
+) -> tuple[int, int, int, int]:
+    """Sort key ``(tier, waiting, -free_blocks, load)`` of one replica; smaller is better.
+
+    Tiers: 0 a free seat, 1 a free seat but few free KV blocks, 2 no free seat, 3 a replica that
+    reports itself unhealthy (``healthy: False``: its engine loop is dead or wedged).
+
+    Args:
+        stats: the replica's last ``routing_stats`` (empty before the first poll).
+        live_load: requests in flight to it as this router knows them, or None if unknown.
+        low_kv_fraction: below this fraction of free blocks a replica with a free seat drops to
+            tier 1.
+    """
+    reported = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
+    load = live_load if live_load is not None else reported
+    slots = int(stats.get("num_slots") or 0)
+    total_blocks = int(stats.get("num_total_blocks") or 0)
+    free_blocks = int(stats.get("num_free_blocks", total_blocks))
+    if stats.get("healthy") is False:  # engine loop dead or wedged: last, until Serve replaces it
+        return (3, 0, 0, load)
+    if slots == 0:  # no stats yet: only the live load tells replicas apart
+        return (0, 0, 0, load)
+    if load < slots:
+        tier = 1 if total_blocks and free_blocks < low_kv_fraction * total_blocks else 0
+        return (tier, 0, -free_blocks, load)
+    return (2, load - slots, -free_blocks, load)
+
+
+class CarpoolRequestRouter(FIFOMixin, RequestRouter):
+    """Rank replicas by free seats, then waiting requests, then free KV blocks; among the
+    best-ranked, the longest prompt-prefix match within the imbalance bound, else power of two
+    choices (see the module docstring)."""
+
+    def initialize_state(
+        self,
+        low_kv_fraction: float = LOW_KV_FRACTION,
+        prefix_aware: bool = True,
+        prefix_balance_abs_threshold: float = PREFIX_BALANCE_ABS_THRESHOLD,
+        prefix_balance_rel_threshold: float = PREFIX_BALANCE_REL_THRESHOLD,
+        prefix_min_match_fraction: float = PREFIX_MIN_MATCH_FRACTION,
+        **kwargs,
+    ) -> None:
+        """Serve calls this with ``request_router_kwargs``.
+
+        Args:
+            low_kv_fraction: see :data:`LOW_KV_FRACTION`.
+            prefix_aware: prefer the free-seat replica holding the longest prefix of the prompt
+                (``ServeConfig.prefix_aware_routing``); False ranks on load alone.
+            prefix_balance_abs_threshold: requests; see :data:`PREFIX_BALANCE_ABS_THRESHOLD`.
+            prefix_balance_rel_threshold: fraction of seats; see
+                :data:`PREFIX_BALANCE_REL_THRESHOLD`.
+            prefix_min_match_fraction: fraction of the prompt's full blocks; see
+                :data:`PREFIX_MIN_MATCH_FRACTION`.
+        """
+        self.low_kv_fraction = low_kv_fraction
+        self.prefix_aware = bool(prefix_aware)
+        self.prefix_balance_abs_threshold = float(prefix_balance_abs_threshold)
+        self.prefix_balance_rel_threshold = float(prefix_balance_rel_threshold)
+        self.prefix_min_match_fraction = float(prefix_min_match_fraction)
+        self.affinity = PrefixAffinity()
+        self._routed_hook_seen = False  # Serve has called on_request_routed (its handshake is on)
+        self._outstanding: dict[ReplicaID, int] = defaultdict(int)
+        # Monotonic times at which a replica was ranked first and not yet sent that request.
+        self._reserved: dict[ReplicaID, deque[float]] = defaultdict(deque)
+
+    # ---- this router's exact count of requests in flight per replica ---------------------------
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self._outstanding[replica_id] += 1
+        reserved = self._reserved.get(replica_id)
+        if reserved:
+            reserved.popleft()  # the request it was reserved for (or an equivalent one) is sent
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        # Serve calls this exactly once per dispatched request (finished, failed, cancelled or
+        # rejected by a full replica).
+        super().on_request_completed(replica_id, internal_request_id)
+        if self._routed_hook_seen:  # Serve reports accepted requests: this one was recorded then,
+            self.affinity.discard(internal_request_id)  # or was rejected (its retry holds anew)
+        else:  # a caller without Serve's queue-length handshake: record it now (its blocks stay cached)
+            self.affinity.confirm(internal_request_id, replica_id)
+        if self._outstanding.get(replica_id, 0) > 0:
+            self._outstanding[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._outstanding.pop(replica_id, None)
+        self._reserved.pop(replica_id, None)
+        self.affinity.forget(replica_id)  # its prefix cache died with it
+
+    # ---- where prompts went (cache-aware routing) ------------------------------------------------
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        # Serve calls this when a replica accepted the request (its queue-length handshake).
+        super().on_request_routed(pending_request, replica_id, result)
+        self._routed_hook_seen = True
+        self.affinity.confirm(_request_key(pending_request), replica_id)
+
+    def _prompt_hashes(self, candidates: list[RunningReplica], pending_request: PendingRequest | None) -> list[bytes]:
+        """The block hashes of the request's prompt (held until Serve confirms its replica), or
+        [] when there is no prompt, no full block, or cache-aware routing is off."""
+        if not self.prefix_aware or pending_request is None:
+            return []
+        key = _request_key(pending_request)
+        held = self.affinity.pending(key) if key is not None else None
+        if held is not None:
+            return held  # chosen before (Serve's backoff loop asks again)
+        prompt = prompt_of(getattr(pending_request, "args", None), getattr(pending_request, "kwargs", None))
+        if prompt is None:
+            return []
+        block_size = next(
+            (int(r.routing_stats["block_size"]) for r in candidates if (r.routing_stats or {}).get("block_size")),
+            DEFAULT_BLOCK_SIZE,
+        )
+        hashes = self.affinity.hashes(prompt, block_size)
+        if hashes and key is not None:
+            self.affinity.hold(key, hashes)
+        return hashes
+
+    def max_imbalance(self, candidates: list[RunningReplica]) -> float:
+        """Requests by which a replica's load may exceed the least loaded one's and still win on
+        its prefix match: ``max(abs threshold, rel threshold * seats)``."""
+        slots = max((int((r.routing_stats or {}).get("num_slots") or 0) for r in candidates), default=0)
+        return max(self.prefix_balance_abs_threshold, self.prefix_balance_rel_threshold * slots)
+
+    def _num_reserved(self, replica_id: ReplicaID, now: float) -> int:
+        reserved = self._reserved.get(replica_id)
+        if not reserved:
+            return 0
+        while reserved and now - reserved[0] > RESERVATION_TTL_S:
+            reserved.popleft()
+        return len(reserved)
+
+    def live_load(self, replica: RunningReplica) -> int | None:
+        """max(this router's outstanding plus reserved requests, Serve's cached queue length),
+        None if neither is known."""
+        cached = self.replica_queue_len_cache.get(replica.replica_id)
+        mine = self._outstanding.get(replica.replica_id, 0) + self._num_reserved(replica.replica_id, time.monotonic())
+        if cached is None and not mine:
+            return None
+        return max(cached or 0, mine)
+
+    def key(self, replica: RunningReplica) -> tuple[int, int, int, int]:
+        return replica_key(replica.routing_stats or {}, self.live_load(replica), self.low_kv_fraction)
+
+    # ---- the policy ------------------------------------------------------------------------------
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        keyed = [(self.key(r), r) for r in candidate_replicas]
+        hashes = self._prompt_hashes(candidate_replicas, pending_request)
+        if hashes:
+            affinity = self.affinity
+            for r in candidate_replicas:
+                affinity.set_capacity(r.replica_id, int((r.routing_stats or {}).get("num_total_blocks") or 0))
+            affinity.retain(self.curr_replicas)
+            matches = [affinity.match(r.replica_id, hashes) for r in candidate_replicas]
+            min_match = max(1, math.ceil(self.prefix_min_match_fraction * len(hashes) - 1e-9))
+            ranks = rank_replicas(keyed, matches, self.max_imbalance(candidate_replicas), min_match)
+        else:
+            ranks = rank_replicas(keyed)
+        if ranks:
+            # Serve tries the first group (one replica) first: count the request there at once.
+            self._reserved[ranks[0][0].replica_id].append(time.monotonic())
+        return ranks
+
+
+def _request_key(pending_request: PendingRequest | None) -> str | None:
+    """Serve's internal id of a pending request (the key of its held prompt hashes)."""
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "internal_request_id", None)
+
+
+def rank_replicas(
+    keyed: list[tuple[tuple[int, int, int, int], Any]],
+    matches: list[int] | None = None,
+    max_imbalance: float = PREFIX_BALANCE_ABS_THRESHOLD,
+    min_match: int = 1,
+) -> list[list[Any]]:
+    """Ranked groups from ``(key, replica)`` pairs (see :func:`replica_key`): first the chosen
+    replica alone, then (power of two choices) the other sampled one, then the rest by tier.
+
+    Args:
+        keyed: ``(key, replica)`` pairs.
+        matches: per pair, in the same order, the prompt's prefix blocks the replica likely holds
+            (cache-aware routing); None for load alone.
+        max_imbalance: requests; a replica more loaded than the least loaded one of the best tier
+            by more than this does not compete on its match.
+        min_match: blocks; a shorter match does not count (at least 1).
+
+    The chosen one: with ``matches`` and a best tier with a free seat (0 or 1), the replica of that
+    tier within the imbalance bound with the longest match, if that is at least ``min_match``
+    blocks (ties by power of two choices among the tied); otherwise power of two choices among the
+    best tier.
+    """
+    if not keyed:
+        return []
+    if matches is not None:
+        match_of = {id(kr[1]): m for kr, m in zip(keyed, matches)}
+    order = sorted(keyed, key=lambda kr: (kr[0], random.random()))
+    best_tier, best_waiting = order[0][0][0], order[0][0][1]
+    best = [kr for kr in order if kr[0][0] == best_tier and kr[0][1] == best_waiting]
+    if matches is not None and best_tier <= 1:
+        least = min(kr[0][3] for kr in best)
+        eligible = [kr for kr in best if kr[0][3] - least <= max_imbalance]
+        longest = max(match_of[id(kr[1])] for kr in eligible)
+        if longest >= max(1, min_match):
+            best = [kr for kr in eligible if match_of[id(kr[1])] == longest]
+    pair = random.sample(best, 2) if len(best) >= 2 else best
+    pair.sort(key=lambda kr: (kr[0][3], kr[0][2], random.random()))  # fewer requests, then more free blocks
+    ranks = [[kr[1]] for kr in pair]
+    chosen = {id(kr[1]) for kr in pair}
+    for tier in (0, 1, 2):
+        group = [kr[1] for kr in order if kr[0][0] == tier and id(kr[1]) not in chosen]
+        if group:
+            ranks.append(group)
+    return ranks
