@@ -36,9 +36,10 @@ process imports Serve; a value already in the environment wins).
 event loop, not on a second loop in another thread, so each streamed delta skips a hand-over
 between threads in the ingress and in the replica. The mode's other settings stay at Serve's
 defaults: its gRPC transport between deployments left some requests of a burst waiting far longer
-(TTFT p99 28 and 33 s against 9 to 11 s), and a router on the caller's loop breaks the CLI's
-synchronous handle calls. Its direct ingress is set by :func:`run` alone, on the configured port
-(:func:`direct_ingress_env`). Measured in ``docs/bench/cpu-speed.md``.
+for their first token, and a router on the caller's loop breaks the CLI's synchronous handle
+calls. Its direct ingress is set by :func:`run` alone, on the configured port
+(:func:`direct_ingress_env`). Measured in ``docs/bench/cpu-speed.md``, "A third run, on a slower
+machine, and Serve's settings".
 
 Where it is set: :func:`start_ray` for a local cluster; ``deploy/Dockerfile`` for every process of
 the image; the ``runtime_env`` of ``deploy/serve_config.yaml`` (and ``rayservice.yaml``) for the
@@ -61,8 +62,8 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     Without it, every request and every streamed event goes through Serve's HTTP proxy, a
     separate process that relays each event to the client over one more Ray stream. Direct
     ingress serves the same ASGI app with uvicorn inside the ingress replica; the proxy still
-    runs but no client uses it. At 2 requests/s on 2 cores it cut TTFT p50 from 160 to 99 ms and
-    ITL p50 from 56 to 40 ms (``docs/bench/cpu-speed.md``).
+    runs but no client uses it (what that saves: ``docs/bench/cpu-speed.md``, "Side by side", the
+    column "direct ingress alone").
 
     Serve hands direct-ingress ports out of ``[MIN, MAX)``; a range of exactly ``port`` keeps a
     replaced ingress replica on the same port. Serve's port quarantine (a delay before a released
@@ -232,7 +233,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from ray import serve
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-    from replica.serve.deployment import LLMReplica
+    from replica.serve import LLMReplica
     from router.errors import RETRY_AFTER_S
     from router.ingress import OpenAIIngress
     from router.routing.policy import CarpoolRequestRouter

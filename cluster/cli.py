@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from cluster.config import ServeConfig, parse_bytes
 from replica.config.engine_config import DTYPE_HELP
-from replica.serve.logs import log_to_stderr
+from replica.serve import log_to_stderr
 
 app = typer.Typer(
     name="carpool",

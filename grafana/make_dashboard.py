@@ -1,7 +1,8 @@
 """Writes grafana/carpool.json, the Carpool dashboard (run: python grafana/make_dashboard.py).
 
 The JSON is committed; this script is how it is edited, so that every panel follows one layout
-and every query uses the same label filters. Metric names are those of ``replica/engine/metrics.py``.
+and every query uses the same label filters. Metric names are those of ``replica/engine/metrics.py``
+(a replica's) and ``router/metrics.py`` (the ingress's own).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from replica.protocol.wire import HEADER, KEY_BYTES
 from replica.protocol.outputs import EngineOutput, merge_queued
+from replica.protocol.wire import HEADER, KEY_BYTES
 
 logger = logging.getLogger(__name__)
 

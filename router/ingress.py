@@ -43,12 +43,12 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from replica.config.engine_config import EngineConfig
+from router.body_checks import BodyChecks
+from router.choice_stream import ChoiceStream, cancel_all
 from router.config import IngressConfig
 from router.delta_receiver import DeltaReceiver
 from router.errors import configure, install
-from router.choice_stream import ChoiceStream, cancel_all
 from router.fanout import Fanout
-from router.body_checks import BodyChecks
 from router.preparation import RequestPreparer
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.replica_view import ReplicaView
@@ -106,10 +106,9 @@ class OpenAIIngress:
     """
 
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any]) -> None:
-        from replica.serve.replica_info import replica_id
+        from replica.config import load_tokenizer, resolve_model_path
+        from replica.serve import log_through_serve, replica_id
         from router.metrics import IngressMetrics
-        from replica.serve.logs import log_through_serve
-        from replica.config.model_files import load_tokenizer, resolve_model_path
 
         log_through_serve()
         self.config = IngressConfig(**config)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-
 # (status, code) series of carpool:http_requests_rejected_total that exist before the first refusal
 INGRESS_REFUSALS = (
     (400, "invalid_value"), (401, "invalid_api_key"), (413, "request_too_large"),

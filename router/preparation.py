@@ -27,7 +27,6 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIErro
 from router.structured import ToolPlan, constraint_of, tool_plan
 from router.tool_templates import ToolTemplates
 
-
 DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default)
 CONSTRAINT_THREADS = 2  # threads that check constraints, apart from tokenization's (see RequestPreparer)
 # Names transformers' apply_chat_template and its template rendering take themselves: a

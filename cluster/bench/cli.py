@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from replica.config.engine_config import DTYPE_HELP
-from replica.serve.logs import log_to_stderr
+from replica.serve import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",

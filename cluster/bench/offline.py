@@ -163,7 +163,8 @@ def offline_main(
         summary.update(num_requests=num_requests, seed=seed, points=points, speedup={str(p["cap"]): p["speedup"] for p in points})
         _print_sweep(points, out)
         if plot_path:
-            from cluster.bench.plots import plot_path as png, plot_sweep
+            from cluster.bench.plots import plot_path as png
+            from cluster.bench.plots import plot_sweep
 
             title = f"Continuous ÷ static, sweep, {num_requests} requests, {max_num_seqs} seats"
             summary["plots"] = [str(plot_sweep(points, png(plot_path, "sweep"), title))]

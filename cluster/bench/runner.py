@@ -159,14 +159,14 @@ def run_policy(llm, workload: list[BenchRequest], policy: str, *, progress: bool
     is set back to what it was afterwards.
     """
     engine = llm.engine
-    scheduler = engine.scheduler
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine still has requests; run workloads one at a time")
-    previous_policy, scheduler.policy = scheduler.policy, policy
+    previous_policy = engine.scheduler.policy
+    engine.set_scheduling_policy(policy)
     try:
         return _run(engine, workload, policy, progress)
     finally:
-        scheduler.policy = previous_policy
+        engine.set_scheduling_policy(previous_policy)
 
 
 def _run(engine, workload: list[BenchRequest], policy: str, progress: bool) -> RunResult:

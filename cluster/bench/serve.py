@@ -379,17 +379,10 @@ def format_table(summary: dict) -> str:
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")):
         s = summary[key]
         lines.append(f"{name:<12}" + "".join(f"{num(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
-    cache = summary.get("prefix_cache")
-    if cache is not None:
-        def pct(v):
-            return "-" if v is None else f"{v:.1%}"
+    if summary.get("prefix_cache") is not None:
+        from cluster.bench.serve_prefix import format_prefix_cache
 
-        best = cache.get("best") or {}
-        lines += ["", f"prefix cache: hit rate {pct(cache['hit_rate'])} ({cache['hits']} of {cache['queries']} prompt tokens), "
-                      f"best possible {pct(best.get('hit_rate'))}"]
-        if len(cache["replicas"]) > 1:
-            lines.append("  per replica: " + ", ".join(
-                f"{name}: {pct(r['hit_rate'])} of {r['queries']}" for name, r in cache["replicas"].items()))
+        lines += ["", *format_prefix_cache(summary["prefix_cache"])]
     if summary["error_messages"]:
         lines += ["", "first errors:"] + [f"  {m}" for m in summary["error_messages"]]
     return "\n".join(lines)

@@ -98,7 +98,8 @@ def counter_deltas(before: dict | None, after: dict | None) -> dict | None:
 
 def load_tokenizer(name: str):
     """The tokenizer the ingress uses for ``name`` (a hub id or a folder; no weights fetched)."""
-    from replica.config.model_files import load_tokenizer as load, resolve_model_path
+    from replica.config.model_files import load_tokenizer as load
+    from replica.config.model_files import resolve_model_path
 
     return load(resolve_model_path(name, weights=False))
 
@@ -140,3 +141,18 @@ def best_hit_rate(tokenizer, logs: list[ConversationLog], block_size: int = 16) 
         reply = list(tokenizer.encode(t.reply, add_special_tokens=False)) if t.ok else []
         events.append((prompt, prompt + reply[:-1]))
     return pw.simulate_prefix_cache(events, block_size)
+
+
+def format_prefix_cache(cache: dict) -> list[str]:
+    """The table lines of a run's prefix-cache counters (``summary["prefix_cache"]``)."""
+
+    def pct(v):
+        return "-" if v is None else f"{v:.1%}"
+
+    best = cache.get("best") or {}
+    lines = [f"prefix cache: hit rate {pct(cache['hit_rate'])} ({cache['hits']} of {cache['queries']} prompt tokens), "
+             f"best possible {pct(best.get('hit_rate'))}"]
+    if len(cache["replicas"]) > 1:
+        lines.append("  per replica: " + ", ".join(
+            f"{name}: {pct(r['hit_rate'])} of {r['queries']}" for name, r in cache["replicas"].items()))
+    return lines

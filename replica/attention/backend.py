@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 
-
 @dataclass
 class AttentionMetadata:
     """The sequences of one step as the backends see them (host arrays, built by the model runner).

@@ -6,12 +6,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from replica.kernels import cpu_kernels
 from replica.attention.backend import AttentionBackend, AttentionMetadata
 from replica.attention.cpu_decode import decode_attention
 from replica.attention.reference import gather_context, write_kv
+from replica.kernels import cpu_kernels
 from replica.kernels.shapes import padded_size
-
 
 # A prefill chunk of at most this many (query, key) pairs runs as decode queries on Carpool's CPU
 # decode kernel (one query per token, AttentionMetadata.decode_queries) instead of the padded SDPA call;

@@ -30,9 +30,8 @@ import inspect
 import numpy as np
 import torch
 
-from replica.attention.backend import AttentionBackend, AttentionMetadata
+from replica.attention.backend import AttentionBackend, AttentionMetadata, to_device
 from replica.attention.reference import ReferenceBackend, write_kv
-from replica.attention.backend import to_device
 
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
 FA2_PAGE_MULTIPLE = 256

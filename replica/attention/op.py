@@ -19,8 +19,9 @@ K/V cache tensors are attributes of its attention module (``carpool_key_cache``,
 attend as decode queries (decodes, and the tokens of prefill chunks) may instead pass a
 :class:`DecodeStep` to the model call, and then attention is traced into the compiled layer.
 
-This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). Backends are in
-:mod:`replica.attention.reference`.
+This is PagedAttention's memory layout (Kwon et al. 2023, arXiv:2309.06180). The backend
+interface is in :mod:`replica.attention.backend`, the backends in :mod:`replica.attention.reference`,
+:mod:`replica.attention.cpu` and :mod:`replica.attention.cuda`.
 """
 
 from __future__ import annotations

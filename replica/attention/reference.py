@@ -1,16 +1,18 @@
-"""Attention backends: how a step's sequences attend through their block tables, per device.
+"""The reference attention backend, and what the others take from it (:func:`write_kv`,
+:func:`gather_context`). How a step's sequences attend through their block tables, per backend:
 
 * :class:`ReferenceBackend` (``attention_backend="reference"``): one SDPA call per sequence over
   its context gathered from the cache. Obviously right and slow; the fast backends are tested
   against it.
-* :class:`CpuBackend` (the default on CPU): every token of a step, decodes and prefill chunks
-  alike, in one call of Carpool's C++ paged decode kernel (:mod:`replica.kernels.cpu_kernels`), one query
-  per token. Where the kernel cannot be built: decodes in the compiled :func:`decode_attention`
-  (inductor fuses the block-table gather into the dot products), or without compile in one SDPA
-  call over their gathered contexts; and all prefill chunks in one SDPA call over a padded batch
-  whose query and key lengths are bucketed (:func:`replica.kernels.shapes.padded_size`) when the step is
-  padded, so that the kernels torch builds per shape stay few.
-* :class:`CudaBackend` (the default on CUDA, :mod:`replica.attention.cuda`): FlashInfer's paged
+* :class:`~replica.attention.cpu.CpuBackend` (the default on CPU): every token of a step,
+  decodes and prefill chunks alike, in one call of Carpool's C++ paged decode kernel
+  (:mod:`replica.kernels.cpu_kernels`), one query per token. Where the kernel cannot be built:
+  decodes in the compiled :func:`~replica.attention.cpu_decode.decode_attention` (inductor fuses
+  the block-table gather into the dot products), or without compile in one SDPA call over their
+  gathered contexts; and all prefill chunks in one SDPA call over a padded batch whose query and
+  key lengths are bucketed (:func:`replica.kernels.shapes.padded_size`) when the step is padded,
+  so that the kernels torch builds per shape stay few.
+* :class:`~replica.attention.cuda.CudaBackend` (the default on CUDA): FlashInfer's paged
   kernels when ``flashinfer`` is installed, else torch's varlen flash attention.
 
 Every backend writes the step's new K/V first (``index_copy_`` at ``slot_mapping``) and returns

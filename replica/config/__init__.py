@@ -3,7 +3,14 @@
 Torch-free: the ingress and the CLI read it.
 """
 
-from replica.config.engine_config import DEFAULT_MODEL, DTYPE_HELP, DTYPE_NAMES, EngineConfig, cache_dir, check_dtype_name
+from replica.config.engine_config import (
+    DEFAULT_MODEL,
+    DTYPE_HELP,
+    DTYPE_NAMES,
+    EngineConfig,
+    cache_dir,
+    check_dtype_name,
+)
 from replica.config.model_files import load_tokenizer, packaged_gguf_path, resolve_model_path
 
 __all__ = [

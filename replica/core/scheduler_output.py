@@ -16,10 +16,13 @@ class ScheduledRequest:
 
     The step computes tokens ``[start, start + num_new_tokens)`` of ``request`` (prompt then
     output). ``samples`` is true when the chunk reaches the last known token, so the step yields
-    a new token for it. Padding rows (static policy) recompute the last token at the next
-    position and their sample is thrown away. ``from_previous`` (async scheduling): the row's one
-    input token is the one the step still in flight samples for this request; the model runner
-    takes it from that step's device tensor.
+    a new token for it. ``from_previous`` (async scheduling): the row's one input token is the one
+    the step still in flight samples for this request; the model runner takes it from that step's
+    device tensor.
+
+    ``is_padding``, the static baseline only (:mod:`replica.core.static_batching`): the row of a
+    finished batch member, computed as a padded static batch would. It recomputes the request's
+    last token at the next position (one token, ``samples`` true) and its sample is thrown away.
     """
 
     request: Request

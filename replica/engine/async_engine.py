@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
+from replica.core.request import Request
 from replica.engine.llm_engine import LLMEngine
+from replica.engine.metrics import EngineMetrics
 from replica.engine.stats import EngineStats
 from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
-from replica.engine.metrics import EngineMetrics
-from replica.core.request import Request
 from replica.protocol.outputs import EngineOutput, merge_queued
 from replica.protocol.sampling_params import SamplingParams
 
@@ -120,6 +120,28 @@ class AsyncLLMEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def dtype(self) -> str:
+        """The model's dtype as a name (``"bfloat16"``, ``"float32"``)."""
+        return str(self.engine.runner.dtype).removeprefix("torch.")
+
+    def model_info(self) -> dict[str, Any]:
+        """``max_model_len`` (tokens), ``vocab_size`` and ``eos_token_ids``: what requests are checked against."""
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.vocab_size,
+            "eos_token_ids": list(self.engine.eos_token_ids),
+        }
+
+    def has_pending_commands(self) -> bool:
+        """True while a command (add, abort, stop) waits for the loop thread."""
+        return not self._commands.empty()
+
+    def check_integrity(self) -> None:
+        """:meth:`LLMEngine.check_integrity` (``AssertionError`` on a leaked or double-owned block).
+        Only while idle: nothing queued or running, no command pending (the loop thread just waits)."""
+        self.engine.check_integrity()
 
     def stats(self) -> EngineStats:
         """The engine's latest snapshot (taken by the loop thread after every step and command)."""

@@ -19,21 +19,21 @@ import time
 from torch.profiler import record_function
 
 from replica.config.engine_config import EngineConfig
-from replica.core.block_manager import BlockManager
-from replica.engine.detokenizer import IncrementalDetokenizer
-from replica.engine.stats import EngineStats
-from replica.worker.kv_sizing import decide_max_model_len
-from replica.engine.metrics import EngineMetrics
 from replica.config.model_files import load_tokenizer, resolve_model_path
-from replica.worker.model_runner import ModelRunner
-from replica.protocol.outputs import FinishReason, EngineOutput, TokenLogprobs
+from replica.core.block_manager import BlockManager
+from replica.core.policies import make_scheduler
 from replica.core.request import Request
-from replica.engine.request_builder import build_request, eos_token_ids
-from replica.protocol.sampling_params import SamplingParams
-from replica.core.scheduler import Scheduler
 from replica.core.scheduler_output import SchedulerOutput
-from replica.worker.model_runner_output import InFlight, ModelRunnerOutput
+from replica.engine.metrics import EngineMetrics
+from replica.engine.output_processor import OutputProcessor
+from replica.engine.request_builder import build_request, eos_token_ids
+from replica.engine.stats import EngineStats
+from replica.protocol.outputs import EngineOutput, FinishReason
+from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import GrammarCompiler
+from replica.worker.kv_sizing import decide_max_model_len
+from replica.worker.model_runner import ModelRunner
+from replica.worker.model_runner_output import InFlight, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,7 @@ class LLMEngine:
             cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size
         )
         self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            policy=cfg.scheduling_policy,
-        )
+        self.scheduler = self._make_scheduler(cfg.scheduling_policy)
         self.vocab_size = self.runner.vocab_size
         self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
         self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
@@ -102,7 +96,7 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, on_compile=metrics.on_grammar_compiled if metrics is not None else None
         )
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, metrics)
         self._ids = itertools.count()
         self.last_scheduler_output = None  # SchedulerOutput of the latest step (benchmarks read it)
         self._consecutive_failed_steps = 0
@@ -160,11 +154,9 @@ class LLMEngine:
         """
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params, request.eos_token_ids
-        )
+        detokenizer = self.output_processor.detokenizer_for(request)
         self.scheduler.add_request(request)
-        self._detokenizers[request.request_id] = detokenizer
+        self.output_processor.track(request.request_id, detokenizer)
         self._refresh_stats()
 
     def abort(self, request_id: str) -> EngineOutput | None:
@@ -175,25 +167,39 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT)
         if request is None:
             return None
-        request.finished_time = time.monotonic()
-        self._detokenizers.pop(request_id, None)
-        if self.metrics is not None:
-            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
+        output = self.output_processor.final_output(request)
         self._refresh_stats()
-        return request.delta([], "", None)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _make_scheduler(self, policy: str):
+        cfg = self.config
+        return make_scheduler(policy, self.block_manager, max_num_seqs=cfg.max_num_seqs,
+                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
+
+    def set_scheduling_policy(self, policy: str) -> None:
+        """Schedule with ``policy`` (``"continuous"`` or ``"static"``; benchmarks run each in turn on
+        one engine): a new scheduler over the same KV blocks, its counters at 0. Raises
+        ``RuntimeError`` unless the engine is idle, ``ValueError`` for an unknown policy."""
+        if self.has_unfinished_requests() or self._in_flight is not None:
+            raise RuntimeError("the scheduling policy changes only on an idle engine")
+        scheduler = self._make_scheduler(policy)
+        for request_id in self.scheduler.take_released():
+            self.runner.forget(request_id)
+        self.scheduler = scheduler
+        self._refresh_stats()
+
     @property
     def async_scheduling(self) -> bool:
-        """Whether steps overlap (``EngineConfig.async_scheduling``; None: on CUDA only); the
-        static policy (the baseline, which benchmarks may switch to on an idle engine) always runs
-        synchronously."""
+        """Whether steps overlap (``EngineConfig.async_scheduling``; None: on CUDA only), where the
+        scheduler's policy allows it: the static baseline (which benchmarks may switch to on an
+        idle engine) always runs synchronously."""
         wanted = self.config.async_scheduling
         if wanted is None:
             wanted = self.runner.device.type == "cuda"
-        return wanted and self.scheduler.policy == "continuous"
+        return wanted and self.scheduler.SUPPORTS_ASYNC_SCHEDULING
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -311,47 +317,15 @@ class LLMEngine:
         with record_function("carpool.detokenize"):
             for request in produced:
                 try:
-                    outputs.append(self._update_request(request, now, logprobs_of.get(id(request)), out.step))
+                    outputs.append(self.output_processor.token_output(
+                        request, now, logprobs_of.get(id(request)), out.step, self._finish_on_stop_string
+                    ))
                 except Exception as exc:
                     outputs.append(self._fail_request(request, exc))
         return outputs
 
-    def _update_request(self, request: Request, now: float, lp: TokenLogprobs | None, step: int) -> EngineOutput:
-        """Record the token just appended to ``request`` (none with ``max_tokens == 0``, whose
-        prefill just ended it) by step ``step``: metrics, detokenizer, stop strings; prompt logprobs
-        with the first."""
-        metrics = self.metrics
-        first = request.first_token_time is None
-        scored_only = request.sampling_params.max_tokens == 0
-        if first:
-            request.first_token_time = now
-        if metrics is not None:
-            if first:
-                metrics.on_prompt_prefilled(request.num_prompt_tokens)
-            if not scored_only:
-                since = now - (request.arrival_time if first else request.last_token_time)
-                metrics.on_token(first=first, since_previous_s=since)
-        request.last_token_time = now
-        token_ids, text = [], ""
-        if not scored_only:
-            token_ids = [request.output_token_ids[-1]]
-            update = self._detokenizers[request.request_id].update(token_ids, finished=request.is_finished)
-            text = update.delta_text
-            if update.stop_string is not None:
-                if request.is_finished:
-                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
-                else:
-                    self.scheduler.finish_request(request.request_id, FinishReason.STOP, update.stop_string, step)
-        if request.is_finished:
-            request.finished_time = now
-            self._detokenizers.pop(request.request_id, None)
-            if metrics is not None:
-                metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
-        output = request.delta(token_ids, text, [lp] if lp else None)
-        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            request.prompt_logprobs_sent = True
-            output.prompt_logprobs = [None, *request.prompt_logprobs]
-        return output
+    def _finish_on_stop_string(self, request_id: str, stop_string: str, step: int) -> None:
+        self.scheduler.finish_request(request_id, FinishReason.STOP, stop_string, step)
 
     def _fail_request(self, request: Request, exc: BaseException) -> EngineOutput:
         """End ``request`` after an internal error: seat and blocks freed, an output with ``error``."""
@@ -360,13 +334,7 @@ class LLMEngine:
             self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
         else:  # finished in this step already (its blocks are free); report the error instead
             request.finish_reason, request.stop_reason = FinishReason.ABORT, None
-        request.finished_time = time.monotonic()
-        self._detokenizers.pop(request.request_id, None)
-        if self.metrics is not None:
-            self.metrics.on_finished("abort", request.finished_time - request.arrival_time)
-        output = request.delta([], "", None)
-        output.error = f"internal error while generating: {type(exc).__name__}: {exc}"
-        return output
+        return self.output_processor.final_output(request, exc)
 
     def _fail_step(self, out: SchedulerOutput, exc: BaseException) -> list[EngineOutput]:
         """The forward of ``out`` failed: end every request it scheduled, then check the state."""
@@ -383,7 +351,7 @@ class LLMEngine:
         for sched in out.scheduled:
             request = sched.request
             if sched.is_padding or request.request_id in seen or request.is_finished:
-                continue  # a static batch's padding row, or (async) a request that ended meanwhile
+                continue  # a padding row (static baseline), or (async) a request that ended meanwhile
             seen.add(request.request_id)
             outputs.append(self._fail_request(request, exc))
         self._refresh_stats()

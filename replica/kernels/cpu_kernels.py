@@ -7,14 +7,12 @@ without Python in between; Carpool's kernels serve any number of rows and are ba
 sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
-torch's own options read each sequence's context far below what the core can do. Measured on the
-2-core development machine, one thread, 100 decode sequences of 40 to 240 cached tokens, SmolLM2's
-9 query / 3 KV heads of 64, bf16, per layer: SDPA on gathered contexts 30 ms, flex attention
-(paged block mask) 124 ms, an inductor-compiled gather-and-reduce formulation 7.2 ms; this
-kernel's figures are in ``docs/bench/cpu-attention.md``. It is tested against the reference
-backend (SDPA). The sampling kernels' reasons are at the top of their source.
+torch's own options (SDPA on gathered contexts, flex attention with a paged block mask, an
+inductor-compiled gather-and-reduce formulation) read each sequence's context far below what the
+core can do (measured against this kernel: ``docs/engine.md``, "Attention"). It is tested against
+the reference backend (SDPA). The sampling kernels' reasons are at the top of their source.
 
-:func:`load` builds (about 30 s the first time, with ``g++`` and ``ninja``) and registers the
+:func:`load` builds (once per CPU flag set, with ``g++`` and ``ninja``; then cached) and registers the
 ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
 ``has_bf16_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
 ``sample_rows``); it returns False, once with a warning,

@@ -11,10 +11,10 @@ def padded_size(n: int) -> int:
     8 evenly spaced sizes per power of two (17 → 18, 100 → 104, 500 → 512; at most 12.5 % more).
 
     Why: oneDNN, which runs torch's bf16 matmuls on CPU (and the brgemm kernels of its 16-bit flash
-    attention), builds (JIT-compiles) and caches one primitive per shape, a few hundred KiB each,
-    and its cache holds up to 1,024 of them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Unpadded, every
-    new token count is a new shape for each linear layer, and a server's memory grew by hundreds of
-    MiB over thousands of requests (``make soak``). Buckets bound the shapes to 56 per linear layer
+    attention), builds (JIT-compiles) and caches one primitive per shape, and its cache holds up to
+    1,024 of them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). Unpadded, every new token count is a new
+    shape for each linear layer, and a server's memory grows with each (measured over ``make
+    soak``: ``docs/engine.md``, "Step padding"). Buckets bound the shapes to 56 per linear layer
     shape for a 512-token budget; the same idea as the padded batch sizes of vLLM's CUDA graphs.
     """
     if n <= EXACT_SIZES_UP_TO:

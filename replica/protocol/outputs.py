@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-
 class FinishReason(str, enum.Enum):
     """Why a request stopped, with the string OpenAI and vLLM use for it."""
 

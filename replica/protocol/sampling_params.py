@@ -8,7 +8,6 @@ from typing import Any
 
 from replica.protocol.constraints import StructuredOutputsParams
 
-
 # Most entries a ``logit_bias`` may hold (OpenAI documents no cap; this bounds the work per request).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # Range of a ``logit_bias`` value (OpenAI's): -100 effectively bans the token, 100 forces it.

@@ -11,7 +11,6 @@ from typing import Any
 
 from replica.protocol.errors import RequestFailedError
 
-
 HEADER = struct.Struct("!I")
 """Frame header: the pickled payload's length in bytes (unsigned, big-endian)."""
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from replica.protocol.constraints import StructuredOutputsParams, llguidance_reason
 
 if TYPE_CHECKING:  # torch and NumPy load where masks are applied (the sampler), not with the
-    import torch   # request types: the scheduler and the ingress stay free of torch
+    import torch  # request types: the scheduler and the ingress stay free of torch
 
 
 
@@ -113,7 +113,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:  # ~0.4 s: the tokenizer's vocabulary as a token trie
+        if self._ll_tokenizer is None:  # once: the tokenizer's vocabulary as a token trie
             import llguidance.hf
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size)
@@ -161,8 +161,10 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
     True where a token is *not* allowed.
 
     On CPU, NumPy's ``unpackbits`` over the little-endian bytes (bit ``t % 8`` of byte ``t // 8``
-    is token ``t``), about 10x faster than shifting int32 words with torch; on other devices the
-    packed mask is copied over (32x smaller) and unpacked there with shifts.
+    is token ``t``), faster there than shifting int32 words with torch
+    (``docs/bench/structured-output.md``, "Compiling constraints and unpacking masks"); on other
+    devices the packed mask is copied over (an eighth of the bool mask's bytes) and unpacked there
+    with shifts.
     """
     import numpy as np
     import torch

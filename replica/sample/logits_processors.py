@@ -144,8 +144,9 @@ def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
-# Top-p first looks for the nucleus among this many most likely tokens (a partial topk is ~20x
-# cheaper than sorting a 50k vocabulary on CPU); rows whose nucleus reaches further are sorted.
+# Top-p first looks for the nucleus among this many most likely tokens (a partial topk is far
+# cheaper than sorting the whole vocabulary on CPU: docs/bench/cpu-speed.md, "Figures behind rules
+# in the code"); rows whose nucleus reaches further are sorted.
 TOP_P_CANDIDATES = 1024
 
 

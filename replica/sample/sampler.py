@@ -23,8 +23,9 @@ steps 0, 1, 2 and 4 are in ``replica/sample/logits_processors.py``):
    arXiv:2407.01082; its mask is the same before or after top-k/top-p, being a ratio to p_max).
    Then draw. On CPU with Carpool's kernels built, by *inversion*
    (``carpool_cpu::sample_rows``, ``replica/kernels/csrc/cpu_sampling.cpp``): the first token whose
-   running sum of ``probs`` exceeds ``u`` times their total, with one uniform ``u`` per row, about
-   ten times faster than the race below (one random number per row instead of one per token).
+   running sum of ``probs`` exceeds ``u`` times their total, with one uniform ``u`` per row: one
+   random number per row instead of one per token as in the race below (measured:
+   ``docs/bench/cpu-speed.md``, "Random sampling and the served path's CPU per token").
    Elsewhere, with the *exponential race* that vLLM's sampler uses: ``argmax(probs / q)`` with
    ``q ~ Exp(1)`` i.i.d. per token, which draws token ``i`` with probability ``probs[i]`` (it is
    the Gumbel-max trick in disguise) and needs no CPU sync. Either way a seeded request draws only
@@ -46,12 +47,20 @@ from typing import Sequence
 import torch
 from torch.profiler import record_function
 
-from replica.kernels import cpu_kernels
-from replica.sample.logits_processors import apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p, min_tokens_banned, needs_penalties
-from replica.sample.logprobs import token_logprobs
 from replica.core.request import Request
+from replica.kernels import cpu_kernels
 from replica.protocol.outputs import TokenLogprobs
 from replica.sample.grammar import apply_grammar_masks
+from replica.sample.logits_processors import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p,
+    min_tokens_banned,
+    needs_penalties,
+)
+from replica.sample.logprobs import token_logprobs
 
 # Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -69,8 +78,9 @@ class SamplerOutput:
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``argmax`` over the vocabulary of ``[rows, V]`` logits (the first index of the maximum):
-    Carpool's CPU kernel for bf16 when built (torch's bf16 argmax is about 4x slower than its
-    float32 one), else float32 argmax (float32 holds every 16-bit value exactly)."""
+    Carpool's CPU kernel for bf16 when built (torch's bf16 argmax is slower than its float32 one:
+    ``docs/engine.md``, "Fast paths on CPU"), else float32 argmax (float32 holds every 16-bit
+    value exactly)."""
     if logits.device.type == "cpu" and logits.dtype == torch.bfloat16 and cpu_kernels.available():
         return torch.ops.carpool_cpu.argmax_rows(logits)
     return logits.float().argmax(dim=-1)
@@ -252,7 +262,8 @@ class Sampler:
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(requests) if r.generator is None]
         if unseeded:
-            # -log(U), U ~ Uniform[0, 1), is Exp(1) too and ~4x faster than exponential_() on CPU.
+            # -log(U), U ~ Uniform[0, 1), is Exp(1) too and cheaper than exponential_() on CPU
+            # (docs/bench/cpu-speed.md, "Figures behind rules in the code").
             # (U = 0 gives q = inf: that one token sits out, a 2**-24-sized effect.)
             if len(unseeded) == n:
                 q.uniform_().log_().neg_()

@@ -1,12 +1,12 @@
 """Batched deltas, replica side: one TCP connection per ingress replica carries the deltas of all
 of that ingress's requests on this replica, one message per engine step.
 
-Why: a Ray Serve stream costs about 0.8 ms of CPU per item on the 2-core machine (0.35 ms in the
-replica, 0.45 ms in the ingress; ``docs/bench/cpu-speed.md``), and a streamed request is one
-item per engine step. With 30 requests of one ingress on a replica, that is 30 items per step;
-here it is one message of 30 deltas, pickled once and written with one ``send``. vLLM's API
-server and engine core talk the same way (one ZeroMQ message per step with every request's
-outputs).
+Why: every item of a Ray Serve stream costs CPU in the replica and again in the ingress
+(measured: ``docs/bench/cpu-speed.md``, "Random sampling and the served path's CPU per token"),
+and a streamed request is one item per engine step. With 30 requests of one ingress on a
+replica, that is 30 items per step; here it is one message of 30 deltas, pickled once and written
+with one ``send``. vLLM's API server and engine core talk the same way (one ZeroMQ message per
+step with every request's outputs).
 
 Protocol (``router/delta_receiver.py`` is the other end): the ingress opens a TCP connection to
 the address the replica gave when it admitted the request, and sends its key (32 hex characters,
@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from replica.protocol.wire import KEY_BYTES, encode_frame
-
 
 logger = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from contextlib import aclosing
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
-from replica.serve.delta_channel import DeltaChannels
 from replica.protocol.errors import ReplicaOverloadedError
-from replica.serve.logs import log_refusals_in_one_line, log_through_serve
-from replica.serve.replica_info import node_ip, replica_id
 from replica.protocol.outputs import EngineOutput
 from replica.protocol.sampling_params import SamplingParams
+from replica.serve.delta_channel import DeltaChannels
+from replica.serve.logs import log_refusals_in_one_line, log_through_serve
+from replica.serve.replica_info import node_ip, replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class LLMReplica:
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
-            self._replica_id, config.model, str(self.engine.engine.runner.dtype).removeprefix("torch."),
+            self._replica_id, config.model, self.engine.dtype,
             config.device, config.max_num_seqs,
             self.engine.stats().num_total_blocks, self.engine.max_model_len,
         )
@@ -173,13 +173,7 @@ class LLMReplica:
     async def model_info(self) -> dict[str, Any]:
         """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
         ``eos_token_ids``, ``max_num_seqs``."""
-        engine = self.engine.engine
-        return {
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": engine.vocab_size,
-            "eos_token_ids": list(engine.eos_token_ids),
-            "max_num_seqs": self.config.max_num_seqs,
-        }
+        return {**self.engine.model_info(), "max_num_seqs": self.config.max_num_seqs}
 
     async def metrics_text(self) -> str:
         """This replica's ``carpool:*`` series in the Prometheus text format (the ingress merges
@@ -233,10 +227,9 @@ class LLMReplica:
         the loop thread, and the loop's snapshot shows no request and every block free. Then the
         loop thread only waits for commands, and reading engine state from here is safe."""
         s = self.engine.stats()
-        commands = getattr(self.engine, "_commands", None)  # AsyncLLMEngine's command queue
         return (
             self._inflight == 0
-            and (commands is None or commands.empty())
+            and not self.engine.has_pending_commands()
             and s.num_running == 0
             and s.num_waiting == 0
             and s.num_free_blocks == s.num_total_blocks
@@ -256,7 +249,7 @@ class LLMReplica:
                 raise TimeoutError(f"replica not idle after {timeout_s}s: {self._stats_dict()}")
             await asyncio.sleep(0.01)
         # No await between the idle check and the check itself: no request can start meanwhile.
-        self.engine.engine.check_integrity()
+        self.engine.check_integrity()
         return self._stats_dict()
 
     def _wedged_for(self) -> float | None:
@@ -282,7 +275,7 @@ class LLMReplica:
                 f"(stall_timeout_s={self.config.stall_timeout_s})"
             )
         if self._is_quiescent():
-            self.engine.engine.check_integrity()
+            self.engine.check_integrity()
 
     async def abort_all(self, reason: str = "the server is shutting down") -> int:
         """End every request on this replica (shutdown after its grace period); each client gets

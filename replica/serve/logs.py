@@ -48,8 +48,8 @@ class _RefusalsInOneLine(logging.Filter):
     (``ReplicaOverloadedError``, the client gets a 429) and a request the engine refuses
     (``ValueError``, a 400: ``LLMReplica.generate``'s contract, e.g. a constraint that does not
     compile for the vocabulary). Those records become one WARNING line naming the exception,
-    without the traceback, so that a burst of 429s does not fill the log (a 900-request flood
-    once wrote 594 tracebacks of 22 lines each)."""
+    without the traceback, so that a burst of 429s does not fill the log (what a flood once wrote:
+    ``docs/bench/cpu-speed.md``, "Figures behind rules in the code")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 
-
 def node_ip() -> str:
     """This node's IP address as Ray knows it (other nodes reach it there), or 127.0.0.1 outside Ray."""
     try:

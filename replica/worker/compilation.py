@@ -3,20 +3,22 @@ decoder.
 
 * **Prepacked float32 linears (CPU).** Where Carpool's CPU kernels are built on a CPU with AVX2
   and FMA, float32 layers go to Carpool's own kernel (``replica/kernels/csrc/cpu_linear_f32.cpp``):
-  batch-invariant, and faster than torch's (MKL's) at every row count measured on a Zen 3 core,
-  1 to 512 rows (``docs/bench/cpu-speed.md``); its rounding differs from MKL's in the last bits.
+  batch-invariant, where torch's (MKL's) is not, and faster than it where measured
+  (``docs/bench/cpu-speed.md``, "One float32 kernel for AVX2 CPUs"); its rounding differs from
+  MKL's in the last bits.
   bfloat16 layers go there too on such CPUs without AVX512-BF16 (float32 sums of bf16 weights).
 * **Prepacked 16-bit linears (CPU).** torch's eager ``linear`` hands oneDNN a plain weight,
-  which oneDNN reorders into its blocked layout on every call; at decode batch sizes that reorder
-  costs about as much as the matmul (measured: 30 SmolLM2 layers at 4 tokens, 32.5 ms eager vs
-  18.0 ms prepacked, one thread). :func:`prepack_linears` reorders each weight once
+  which oneDNN reorders into its blocked layout on every call, a cost of the order of the matmul
+  itself at decode batch sizes (measured: ``docs/bench/cpu-speed.md``, "Figures behind rules in
+  the code"). :func:`prepack_linears` reorders each weight once
   (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does) and routes the
   layer through an opaque op around ``torch.ops.mkldnn._linear_pointwise``: Carpool's C++
   ``carpool_cpu::packed_linear`` when its CPU kernels are built (no Python between the compiled
   graph and oneDNN), else the Python custom op ``carpool::packed_linear``. oneDNN's results are
   bit-identical to ``F.linear``. On CPUs with AVX512-BF16, bf16 weights are packed for Carpool's
-  own bf16 kernel instead (``replica/kernels/csrc/cpu_linear_bf16.cpp``): faster than oneDNN up to about 128
-  rows and even with it above, and a row's result never depends on the other rows of its step.
+  own bf16 kernel instead (``replica/kernels/csrc/cpu_linear_bf16.cpp``), which serves every row
+  count (against oneDNN: ``docs/bench/cpu-speed.md``, "One bf16 kernel for every step"), and a
+  row's result never depends on the other rows of its step.
 * **Compiled decoder.** :func:`compile_decoder` compiles the model's decoder (embedding, every
   layer, final norm) with ``torch.compile`` (inductor) as one graph: norms, rotary, activations
   and residual adds fuse into a few kernels, and the per-op Python dispatch disappears. Attention is
@@ -26,11 +28,10 @@ decoder.
   (dynamo gives size 1 a graph of its own), so two graphs serve every step: one for decode-like
   steps (decodes, and prefill chunks as one decode query per token: on CPU with Carpool's kernel,
   every step), one for the rest.
-  Measured against compiling each decoder layer on its own (one graph, 30 calls): 26.5 vs 28.9 ms
-  per 4-seat SmolLM2 decode step, the difference being dynamo's per-call guard checks and wrapper
-  code. Compiled code is cached on disk
-  (:func:`use_compile_cache`), so a restart loads it instead of compiling again (SmolLM2 on the
-  2-core machine: 82 s the first time, 16 s after).
+  One graph for the whole decoder, not one per layer called once per layer: each call pays
+  dynamo's guard checks and wrapper code (measured: ``docs/bench/cpu-speed.md``, "Figures behind
+  rules in the code"). Compiled code is cached on disk (:func:`use_compile_cache`), so a restart
+  loads it instead of compiling again (``docs/bench/cpu-speed.md``, "Compile time").
 """
 
 from __future__ import annotations
@@ -80,14 +81,16 @@ def prepack_linears(model: torch.nn.Module) -> int:
     subclass with a forward of its own: :func:`_pack_each`).
 
     * float32, with Carpool's CPU kernels built on a CPU with AVX2 and FMA: Carpool's float32
-      kernel (``replica/kernels/csrc/cpu_linear_f32.cpp``, weight from ``pack_f32_weight``), faster than
-      torch's (MKL's) at every row count measured on a Zen 3 core and batch-invariant.
+      kernel (``replica/kernels/csrc/cpu_linear_f32.cpp``, weight from ``pack_f32_weight``),
+      batch-invariant where torch's (MKL's) is not.
     * bfloat16 on such a CPU without AVX512-BF16: the same kernel on bf16 weights (widened to
-      float32 in registers, each output rounded to bf16 once): 1.6 to 4.5× faster than oneDNN's
-      bf16 GEMM on an AVX512 Xeon without BF16 at 1 to 512 rows, and batch-invariant.
+      float32 in registers, each output rounded to bf16 once), batch-invariant where oneDNN's
+      bf16 GEMM is not (against it: ``docs/bench/cpu-speed.md``, "bfloat16 weights without
+      AVX512-BF16").
     * bfloat16 with AVX512-BF16 and the kernels built: Carpool's bf16 kernel, which serves every
-      number of rows (faster than oneDNN up to about 128, even with it above) and gives each row
-      the same result whatever its batch (see ``replica/kernels/csrc/cpu_linear_bf16.cpp``).
+      number of rows and gives each row the same result whatever its batch (see
+      ``replica/kernels/csrc/cpu_linear_bf16.cpp``; against oneDNN: ``docs/bench/cpu-speed.md``,
+      "One bf16 kernel for every step").
     * other bfloat16 or float16 models where this CPU's oneDNN computes that type (float16 needs
       avx512_fp16 or avx_ne_convert): oneDNN on its own prepacked layout.
 
@@ -196,9 +199,10 @@ def _embed_from(embedding: torch.nn.Module, head: torch.nn.Linear) -> bool:
     kernel (:func:`_embed_from_packed`); False (nothing changed) for any other layout or module.
 
     Only that layout: its k-pairs are read as 32-bit words, and inductor computes that gather
-    once (about 12 µs a 4-token step). On ``pack_f32_weight``'s layout it copied the gather into
-    each fused kernel that reads the embedding (0.44 ms a step), and float32 weights are pages of
-    the mapped checkpoint, which stay resident whether or not the copy is released.
+    once a step. On ``pack_f32_weight``'s layout it copied the gather into each fused kernel that
+    reads the embedding (the cost of each: ``docs/engine.md``, "Fast paths on CPU"), and float32
+    weights are pages of the mapped checkpoint, which stay resident whether or not the copy is
+    released.
     """
     rows = getattr(head, "carpool_gemv_weight", None)
     if rows is None or type(embedding) is not torch.nn.Embedding or embedding.max_norm is not None:

@@ -6,8 +6,7 @@ most of what is freed inside its heap for later allocations: it only shrinks the
 (``M_TRIM_THRESHOLD``), and after a large block is freed it serves blocks up to that size from the
 heap instead of their own mappings (the dynamic ``M_MMAP_THRESHOLD``). So the freed weights stay
 resident. ``malloc_trim(0)`` (glibc 2.8 and later) hands every whole free page back with
-``madvise(MADV_DONTNEED)``. Measured on SmolLM2 in bf16 (2-core AMD machine, one engine,
-compiled): 1,085 MiB resident after the warm-up, 813 MiB after the call.
+``madvise(MADV_DONTNEED)``. What it gives back on SmolLM2: ``docs/engine.md`` (the heap release).
 """
 
 from __future__ import annotations

@@ -5,8 +5,13 @@ The idea of vLLM v1's ``InputBatch``: a request gets a row when it is first sche
 until it finishes or is preempted (the engine calls :meth:`InputBatch.forget`). Each step writes
 only its new tokens (a decode: one) and its new blocks into the row; the step's ``input_ids``,
 ``positions`` and ``slot_mapping`` are then a handful of numpy gathers over all its tokens, not a
-Python loop per token. Plain numpy, no torch: the model runner turns the arrays into tensors with
-one host-to-device copy (:func:`to_device`).
+Python loop per token. This module builds host numpy arrays and no tensor (torch comes in only
+through :mod:`replica.attention.backend`, which it imports for :class:`AttentionMetadata`): the
+model runner turns the arrays into tensors with one host-to-device copy
+(:func:`replica.attention.backend.to_device`).
+
+The static baseline's padding rows (``ScheduledRequest.is_padding``, :mod:`replica.core.static_batching`)
+are the one special case: such a row recomputes its request's last token at the next position.
 """
 
 from __future__ import annotations
@@ -110,13 +115,14 @@ class InputBatch:
         the token count is also padded up to ``min_tokens``, and both up to ``min_rows`` (logits
         rows only when there are any; see ``ModelRunner.min_rows``). Padding tokens have id 0,
         position 0 and write their K/V to ``padding_slot``; padding logits rows repeat the last.
+        (Step padding, unrelated to the static baseline's padding rows: see the module docstring.)
         """
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=np.int64)
         starts = np.empty(num_seqs, dtype=np.int64)
         counts = np.empty(num_seqs, dtype=np.int64)
         samples = np.zeros(num_seqs, dtype=bool)
-        padding_seqs = []
+        static_padding_rows = []  # static baseline: finished members' rows
         prompt_spans = []
         for i, sched in enumerate(scheduled):
             request = sched.request
@@ -125,7 +131,7 @@ class InputBatch:
             counts[i] = sched.num_new_tokens
             samples[i] = sched.samples
             if sched.is_padding:
-                padding_seqs.append(i)
+                static_padding_rows.append(i)
             elif request.sampling_params.prompt_logprobs is not None:
                 # Positions not scored yet (a recompute after preemption scores nothing twice).
                 first = max(sched.start, len(request.prompt_logprobs))
@@ -139,7 +145,7 @@ class InputBatch:
         positions = np.arange(num_real) - query_start[seq_of_token] + starts[seq_of_token]
         token_rows = rows[seq_of_token]
         input_ids = self.token_ids[token_rows, positions]
-        for i in padding_seqs:  # static policy: a finished member recomputes its last token
+        for i in static_padding_rows:  # static baseline: a finished member recomputes its last token
             input_ids[query_start[i]] = self.token_ids[rows[i], self._num_tokens[rows[i]] - 1]
         bs = self.block_size
         slots = self.block_table[token_rows, positions // bs] * bs + positions % bs

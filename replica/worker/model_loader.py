@@ -37,9 +37,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
       AVX512BW/VL/DQ or AVX-NE-CONVERT; native with AVX512_BF16 or AMX), as vLLM's CPU backend
       recommends, or when Carpool's float32-accumulating linear kernel is built (AVX2 and FMA:
       :func:`replica.kernels.cpu_kernels.has_f32_gemv`, built or loaded here if no one did yet), which
-      reads bf16 weights and skips torch's emulated bf16 matmuls (9x slower than float32 on a
-      Zen 3 core). Measured with the kernels' AVX2 build on an AVX512 Xeon, SmolLM2, one thread:
-      1.43 to 1.50x float32's tok/s at 4 seats, about 1.0x at 32 (``docs/engine.md``). Else float32;
+      reads bf16 weights and skips torch's emulated bf16 matmuls (slower than float32 where the CPU
+      has no native bf16; the measurements are in ``docs/bench/cpu-speed.md``). Else float32;
     * other devices (``meta``, ``mps``, ...): float32.
 
     Raises ``ValueError`` for an unknown name, and for ``"auto"`` on a CUDA device where torch has none.

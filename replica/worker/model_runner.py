@@ -27,30 +27,28 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from replica.attention.backend import DecodeStep
-from replica.attention.op import attach_kv_cache, register_paged_attention, running_step, set_max_model_len
+from replica.attention.backend import DecodeStep, to_device
 from replica.attention.cpu import CpuBackend, inline_chunks
-from replica.attention.reference import ReferenceBackend
-from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
+from replica.attention.op import attach_kv_cache, register_paged_attention, running_step, set_max_model_len
+from replica.attention.selector import make_backend
 from replica.config.engine_config import cache_dir
+from replica.core.request import RequestStatus
+from replica.core.scheduler_output import SchedulerOutput
+from replica.sample.logprobs import token_logprobs
+from replica.sample.sampler import Sampler, cpu_inversion
+from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.worker.input_batch import InputBatch, ModelInputs
-from replica.attention.backend import to_device
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.worker.kv_sizing import decide_num_blocks
-from replica.sample.logprobs import token_logprobs
-from replica.worker.model_support import check_supported, probe_attention
 from replica.worker.model_loader import load_model, resolve_dtype
-from replica.core.request import RequestStatus
-from replica.sample.sampler import Sampler, cpu_inversion
-from replica.core.scheduler_output import SchedulerOutput
-from replica.worker.model_runner_output import PendingTokens, ModelRunnerOutput
+from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
+from replica.worker.model_support import check_supported, probe_attention
 
 __all__ = ["ModelRunner", "PendingTokens", "ModelRunnerOutput"]
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "cuda")
 # On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
 # than the same rows among 4 to 300, which agree: where Carpool's float32 kernel (batch-invariant)
 # is not built, CPU float32 steps run 4 tokens and rows at least. (With 2 threads other small
@@ -123,7 +121,10 @@ class ModelRunner:
             device=self.device,
         )
         self.compiled = compile
-        self.backend = self._make_backend(attention_backend)
+        shape = self.shape
+        self.backend = make_backend(attention_backend, self.device, self.block_size, compiled=self.compiled,
+                                    num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                    head_dim=shape.head_dim, dtype=self.dtype)
         attach_kv_cache(self.model, self.kv_cache.key_cache, self.kv_cache.value_cache)
         sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cpu":
@@ -145,25 +146,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
-
-    def _make_backend(self, name: str):
-        if name not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-        if name == "auto":
-            name = self.device.type if self.device.type in ("cpu", "cuda") else "reference"
-        if name == "reference":
-            return ReferenceBackend(self.block_size, self.device)
-        if name == "cpu":
-            if self.device.type != "cpu":
-                raise ValueError("attention_backend 'cpu' needs device 'cpu'")
-            return CpuBackend(self.block_size, self.device, compiled=self.compiled)
-        if self.device.type != "cuda":
-            raise ValueError("attention_backend 'cuda' needs a CUDA device")
-        from replica.attention.cuda import CudaBackend
-
-        backend = CudaBackend(self.block_size, self.device)
-        backend.configure(self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, self.dtype)
-        return backend
 
     @property
     def pad_steps(self) -> bool:
@@ -312,7 +294,7 @@ class ModelRunner:
         plain = (
             not inputs.prompt_spans
             and all(r.sampling_params.logprobs is None for r in requests)
-            and not any(s.is_padding for s in out.scheduled)
+            and not any(s.is_padding for s in out.scheduled)  # static baseline's padding rows: _sample
         )
         if plain:
             self._seed_generators(requests)
@@ -328,7 +310,7 @@ class ModelRunner:
                 rows_of = [inputs.sample_rows[k] for k in keep]
                 return PendingTokens([r.request_id for r in requests], rows_of, tokens, len(out.scheduled))
         result = self._sample(out, inputs, logits)
-        ids = [None if s.is_padding else s.request.request_id for s in out.scheduled]
+        ids = [None if s.is_padding else s.request.request_id for s in out.scheduled]  # static padding: no next step
         return PendingTokens.done(result, ids, self.device)
 
     def _seed_generators(self, requests) -> None:
@@ -338,7 +320,7 @@ class ModelRunner:
 
     def _sample(self, out: SchedulerOutput, inputs, logits: torch.Tensor) -> ModelRunnerOutput:
         """Sample the step's sampling rows and score its prompt rows from ``logits``
-        ``[num_logits_rows, vocab]`` (sampling rows first, then prompt rows, then padding)."""
+        ``[num_logits_rows, vocab]`` (sampling rows first, then prompt rows, then step padding)."""
         sample_rows = inputs.sample_rows
         num_real_rows = len(sample_rows)
         result = ModelRunnerOutput([None] * len(out.scheduled), [None] * len(out.scheduled))
@@ -351,7 +333,7 @@ class ModelRunner:
 
         # Rows of running requests (async scheduling: one that ended since it was scheduled gets none).
         real = [i for i, row in enumerate(sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
-        padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
+        static_padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
         if real:
             requests = [out.scheduled[sample_rows[i]].request for i in real]
             self._seed_generators(requests)
@@ -376,9 +358,9 @@ class ModelRunner:
                 for i, token_id, lp in zip(real, sampled.token_ids, sampled.logprobs):
                     result.sampled_token_ids[sample_rows[i]] = token_id
                     result.logprobs[sample_rows[i]] = lp
-        if padding:
-            # A padded static batch computes these rows too; their tokens are thrown away.
-            for i, token_id in zip(padding, logits[padding].argmax(dim=-1).tolist()):
+        if static_padding:
+            # Static baseline: finished members' rows, computed as in a padded batch; tokens thrown away.
+            for i, token_id in zip(static_padding, logits[static_padding].argmax(dim=-1).tolist()):
                 result.sampled_token_ids[sample_rows[i]] = token_id
         return result
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from replica.protocol.outputs import TokenLogprobs
 from replica.core.scheduler_output import SchedulerOutput
+from replica.protocol.outputs import TokenLogprobs
 
 
 @dataclass

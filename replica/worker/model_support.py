@@ -18,9 +18,14 @@ import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from replica.attention.op import ATTENTION_NAME, cache_layers, paged_attention_forward, register_paged_attention, running_step
-from replica.attention.backend import DecodeStep, AttentionMetadata
-from replica.attention.backend import to_device
+from replica.attention.backend import AttentionMetadata, DecodeStep, to_device
+from replica.attention.op import (
+    ATTENTION_NAME,
+    cache_layers,
+    paged_attention_forward,
+    register_paged_attention,
+    running_step,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -9,20 +9,19 @@ import time
 import numpy as np
 import torch
 
-from replica.attention.backend import DecodeStep, AttentionMetadata
-from replica.attention.op import running_step
+from replica.attention.backend import AttentionMetadata, DecodeStep, to_device
 from replica.attention.cpu import inline_chunks
+from replica.attention.op import running_step
+from replica.kernels.shapes import padded_size
 from replica.worker.compilation import mark_step_dynamic
 from replica.worker.heap import release_freed_heap
-from replica.attention.backend import to_device
-from replica.kernels.shapes import padded_size
 
 
 def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, float]:
     """Warm ``runner`` (a ``ModelRunner``) up; returns what it did (counts and seconds).
 
     * With step padding: run every distinct linear layer that oneDNN computes once at every
-      padded step size, so that oneDNN builds all its matmul primitives now (about 1 ms each):
+      padded step size, so that oneDNN builds all its matmul primitives now, not in served steps:
       every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
       model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's own
       kernels (``carpool_gemv_weight``, ``carpool_f32_weight``) build nothing and are skipped.

@@ -38,7 +38,7 @@ while another one has one, and equally loaded replicas share a burst evenly.
 with its load-balance guard). When the best tier is 0 or 1 (a free seat), the replica whose record
 holds the longest run of the prompt's leading block hashes goes first, if that run is long enough
 (below): its prefix cache most likely still has those KV blocks, so their prefill is skipped. The record
-(:class:`~router.prefix_affinity.PrefixAffinity`) is this router's own: the block hashes of every
+(:class:`~router.routing.prefix_affinity.PrefixAffinity`) is this router's own: the block hashes of every
 prompt it sent to each replica, an LRU bounded by the replica's KV pool; a prompt enters it when
 Serve confirms the replica (``on_request_routed``). Rules, in order:
 

@@ -56,7 +56,8 @@ class PrefixAffinity:
         default_capacity: blocks a replica's record holds until :meth:`set_capacity` is called.
 
     Costs: O(hashes given) per call (``retain``: O(replicas recorded)); nothing blocks or does
-    I/O. Hashing a prompt (:meth:`hashes`) is one SHA-256 per block: about 0.6 ms for 8k tokens here.
+    I/O. Hashing a prompt (:meth:`hashes`) is one SHA-256 per block (measured:
+    ``docs/bench/prefix-caching.md``, "What hashing a prompt costs the router").
     """
 
     def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:

@@ -19,9 +19,9 @@ import pytest
 
 import replica.serve.delta_channel as delta_channel
 from replica import SamplingParams
-from replica.serve.delta_channel import DeltaChannels
-from replica.protocol.wire import encode_frame
 from replica.protocol.outputs import EngineOutput
+from replica.protocol.wire import HEADER, encode_frame
+from replica.serve.delta_channel import DeltaChannels
 from router.delta_receiver import ConnectionLost, DeltaReceiver, on_call_end, queued_deltas
 from tests.engine.test_failures import PROMPTS, make_replica, run
 from tests.helpers import assert_idle
@@ -240,7 +240,7 @@ def test_an_item_that_does_not_pickle_costs_only_its_own_request():
 
     ok = EngineOutput("a", [5], "x", None, True, "length", None, 3, 1)
     frame = encode_frame([("a", ok), ("b", Unpicklable(1, 2))])
-    items = pickle.loads(frame[delta_channel.HEADER.size :])
+    items = pickle.loads(frame[HEADER.size :])
     assert items[0] == ("a", ok)
     assert items[1][0] == "b" and isinstance(items[1][1], RequestFailedError) and "Unpicklable" in str(items[1][1])
 

@@ -16,7 +16,14 @@ import torch
 from replica import LLM, SamplingParams
 from replica.kernels import cpu_kernels
 from replica.worker import cuda_graphs
-from replica.worker.cuda_graphs import MAX_GRAPH_BATCH, MAX_GRAPH_CONTEXT, DecodeGraphs, graph_batch_sizes, graph_memory_reserve, graph_widths
+from replica.worker.cuda_graphs import (
+    MAX_GRAPH_BATCH,
+    MAX_GRAPH_CONTEXT,
+    DecodeGraphs,
+    graph_batch_sizes,
+    graph_memory_reserve,
+    graph_widths,
+)
 from tests.engine.test_fidelity import WORKLOAD, reference_tokens, run_engine
 from tests.helpers import ON_TEST_DEVICE, TEST_DEVICE, assert_idle
 

@@ -200,7 +200,7 @@ def test_bad_input_raises_at_add_request_without_disturbing_running_requests(llm
                 (r.request_id, r.num_computed_tokens, list(r.output_token_ids), list(r.block_ids), r.status)
                 for r in list(s.running) + list(s.waiting)
             ],
-            {rid: id(d) for rid, d in engine._detokenizers.items()},  # not replaced by a duplicate
+            {rid: id(d) for rid, d in engine.output_processor.detokenizers.items()},  # not replaced by a duplicate
         )
 
     before = snapshot()

@@ -73,7 +73,7 @@ def tokens_of(outs) -> list[int]:
 def test_a_failing_detokenizer_ends_only_its_request(engine, reference):
     for i, ids in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", prompt_token_ids=ids, sampling_params=greedy())
-    detokenizer = engine._detokenizers["r1"]
+    detokenizer = engine.output_processor.detokenizers["r1"]
     real_update, calls = detokenizer.update, []
 
     def update(token_ids, finished):

@@ -326,8 +326,8 @@ def test_metrics_count_kinds_compiles_and_cache_hits(smollm2_path, chat):
 def test_a_bounded_json_number_accepts_in_range_values_only(smollm2_tokenizer):
     """The e2e schemas keep to integers (a number's digits are unbounded at temperature 1); the
     grammar's handling of a bounded ``number`` is checked here, token by token."""
-    from replica.sample.grammar import GrammarCompiler
     from replica.protocol.constraints import StructuredOutputsParams
+    from replica.sample.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(smollm2_tokenizer, 49152)
     schema = {"type": "object", "properties": {"hours": {"type": "number", "minimum": 0, "maximum": 24}},

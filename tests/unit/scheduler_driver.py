@@ -9,10 +9,11 @@ use) unless a test gives one.
 from __future__ import annotations
 
 from replica.core.block_manager import BlockManager
+from replica.core.policies import make_scheduler as new_scheduler
 from replica.core.request import Request
-from replica.protocol.sampling_params import SamplingParams
 from replica.core.scheduler import Scheduler
 from replica.core.scheduler_output import SchedulerOutput
+from replica.protocol.sampling_params import SamplingParams
 
 EOS = 2
 FILLER = 1000  # made-up sampled token: never EOS, never a stop id used below
@@ -36,12 +37,12 @@ def make_scheduler(
     max_model_len: int = 256,
     policy: str = "continuous",
 ) -> Scheduler:
-    return Scheduler(
+    return new_scheduler(
+        policy,
         BlockManager(num_blocks, block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        policy=policy,
     )
 
 

@@ -10,7 +10,13 @@ import string
 import pytest
 import torch
 
-from replica.protocol.constraints import MAX_CHOICE_CHARS, REGEX_META, StructuredOutputsParams, choice_regex, llguidance_reason
+from replica.protocol.constraints import (
+    MAX_CHOICE_CHARS,
+    REGEX_META,
+    StructuredOutputsParams,
+    choice_regex,
+    llguidance_reason,
+)
 from replica.sample.grammar import GrammarCompiler
 
 VOCAB = 49152

@@ -10,7 +10,6 @@ import torch
 
 from replica.worker.heap import release_freed_heap, resident_bytes
 
-
 TUNABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from replica.worker.input_batch import InputBatch
 from replica.attention.backend import to_device
 from replica.core.request import Request
-from replica.protocol.sampling_params import SamplingParams
 from replica.core.scheduler_output import ScheduledRequest
+from replica.protocol.sampling_params import SamplingParams
+from replica.worker.input_batch import InputBatch
 
 
 def _request(rid: str, prompt: list[int], blocks: list[int]) -> Request:

@@ -1,8 +1,17 @@
-"""The product packages' dependencies point down: replica (the engine) < router (the HTTP ingress)
-< cluster (config, CLI, app building, benchmarks), and no module imports itself back.
+"""The product packages' dependencies point down, and the engine's boundaries hold.
 
-Imports are read from the source (``ast``), deferred ones inside functions included: a lazy import
-is still a dependency.
+* replica (the engine) < router (the HTTP ingress) < cluster (config, CLI, app building, benchmarks);
+  no module imports itself back (no cycle).
+* Inside replica, its packages in layers, lowest first: ``config`` < ``protocol`` < ``core`` <
+  ``kernels`` < ``attention`` < ``sample`` < ``worker`` < ``engine`` < ``serve``; ``replica``'s own
+  ``__init__`` (the public names) sits on top of them.
+* ``replica.protocol`` and ``replica.core`` import no torch (nor NumPy); only ``replica.serve`` imports Ray.
+* The router imports of the engine only its protocol (``replica.protocol``), its config
+  (``replica.config``) and its Serve entry (the ``replica.serve`` package's own names).
+* No module imports a private (``_``-prefixed) name from a module of another package.
+
+Imports are read from the source (``ast``), deferred ones inside functions and ``TYPE_CHECKING``
+blocks included: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -13,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("replica", "router", "cluster")  # lowest first
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
+ENGINE_PACKAGES = ("config", "protocol", "core", "kernels", "attention", "sample", "worker", "engine", "serve")
+ENGINE_LAYER = {name: rank for rank, name in enumerate(ENGINE_PACKAGES)}
+ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself
 
 
 def _module_name(path: Path) -> str:
@@ -77,6 +89,120 @@ def test_the_graph_sees_known_imports():
     assert "replica.engine.llm_engine" in graph["replica.engine.async_engine"]
     assert "cluster.bench.offline" in graph["cluster.bench.cli"]  # deferred, inside a function
     assert "replica.config.engine_config" in graph["cluster.config"]
+    assert "replica.serve" in graph["router.ingress"]  # deferred; a package's own __init__
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of the non-product modules ``path`` imports (``torch``, ``ray``, ...),
+    deferred and ``TYPE_CHECKING`` imports included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - set(PACKAGES)
+
+
+def engine_package(module: str) -> str | None:
+    """The package of ``replica`` that ``module`` belongs to (``"core"``, ...); ``"replica"`` for the
+    package's own ``__init__``; None outside the engine."""
+    parts = module.split(".")
+    if parts[0] != "replica":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ENGINE_LAYER else "replica"
+
+
+def test_every_engine_package_has_a_layer():
+    found = {p.parent.name for p in (ROOT / "replica").glob("*/__init__.py")}
+    assert found == set(ENGINE_PACKAGES), "give each package of replica/ a layer in ENGINE_PACKAGES"
+
+
+def engine_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in graph.items():
+        own = engine_package(module)
+        for target in targets:
+            other = engine_package(target)
+            if own is None or other is None or own == other or own == "replica":
+                continue
+            if other == "replica" or ENGINE_LAYER[other] > ENGINE_LAYER[own]:
+                found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_engine_packages_import_only_lower_layers():
+    upward = engine_layer_violations(import_graph())
+    assert not upward, "an engine package imports a higher one:\n" + "\n".join(upward)
+
+
+def test_core_and_protocol_import_no_torch_and_only_serve_imports_ray():
+    found = []
+    for module, path in product_modules().items():
+        imported = external_imports(path)
+        if engine_package(module) in ("core", "protocol", "config") and imported & {"torch", "numpy"}:
+            found.append(f"{module} imports {sorted(imported & {'torch', 'numpy'})}")
+        if engine_package(module) not in (None, "serve") and "ray" in imported:
+            found.append(f"{module} imports ray")
+    assert not found, "\n".join(found)
+
+
+def router_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module.split(".")[0] == "router"
+        for target in targets
+        if target.split(".")[0] == "replica"
+        and target != "replica.serve"
+        and not any(target == allowed or target.startswith(allowed + ".") for allowed in ROUTER_MAY_IMPORT)
+    )
+
+
+def test_the_router_imports_only_the_engine_s_protocol_config_and_serve_entry():
+    found = router_violations(import_graph())
+    assert not found, "the router reaches into the engine:\n" + "\n".join(found)
+
+
+def private_imports(modules: dict[str, Path]) -> list[str]:
+    """``from a.b import _name`` where ``a.b`` is not in the importer's own package."""
+    found = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                source_package = node.module if modules[node.module].name == "__init__.py" else node.module.rpartition(".")[0]
+                for alias in node.names:
+                    if alias.name.startswith("_") and source_package != package:
+                        found.append(f"{module} imports {node.module}.{alias.name}")
+    return sorted(found)
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    found = private_imports(product_modules())
+    assert not found, "\n".join(found)
+
+
+def test_the_boundary_checks_catch_violations(tmp_path):
+    """Each check fails on a graph or a file that breaks its rule."""
+    assert engine_layer_violations({"replica.core.scheduler": {"replica.worker.model_runner"}}) == [
+        "replica.core.scheduler imports replica.worker.model_runner"
+    ]
+    assert engine_layer_violations({"replica.worker.model_runner": {"replica.core.scheduler"}}) == []
+    assert engine_layer_violations({"replica.protocol.outputs": {"replica"}})  # the public names sit on top
+    assert router_violations({"router.ingress": {"replica.engine.metrics", "replica.protocol.errors"}}) == [
+        "router.ingress imports replica.engine.metrics"
+    ]
+    assert router_violations({"router.ingress": {"replica.serve.deployment"}})  # not the entry itself
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.py").write_text("_secret = 1\n")
+    (tmp_path / "b" / "y.py").write_text("from a.x import _secret\n")
+    (tmp_path / "a" / "z.py").write_text("from a.x import _secret\n")  # same package: allowed
+    modules = {"a.x": tmp_path / "a" / "x.py", "b.y": tmp_path / "b" / "y.py", "a.z": tmp_path / "a" / "z.py"}
+    assert private_imports(modules) == ["b.y imports a.x._secret"]
+    (tmp_path / "c.py").write_text("def f():\n    import torch\n")
+    assert external_imports(tmp_path / "c.py") == {"torch"}
 
 
 def test_dependencies_point_down():

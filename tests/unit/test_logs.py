@@ -9,7 +9,13 @@ import sys
 import pytest
 
 import replica.serve.logs as logs
-from replica.serve.logs import CARPOOL_LOGGERS, SERVE_LOGGER, in_serve_replica, log_refusals_in_one_line, log_through_serve
+from replica.serve.logs import (
+    CARPOOL_LOGGERS,
+    SERVE_LOGGER,
+    in_serve_replica,
+    log_refusals_in_one_line,
+    log_through_serve,
+)
 
 
 def test_cli_process_prints_carpool_info_lines_once_and_not_other_libraries():

@@ -16,10 +16,16 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from replica.sample import sampler as sampler_module
 from replica.core.request import Request
 from replica.protocol.sampling_params import SamplingParams
-from replica.sample.logits_processors import apply_logit_bias, apply_min_p, apply_min_tokens, apply_penalties, apply_top_k_top_p
+from replica.sample import sampler as sampler_module
+from replica.sample.logits_processors import (
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 from replica.sample.sampler import Sampler
 
 VOCAB = 64

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from replica.protocol.outputs import FinishReason
 from replica.core.request import RequestStatus
+from replica.protocol.outputs import FinishReason
 from tests.unit.scheduler_driver import FILLER, assert_blocks_consistent, detail, ids, make_scheduler, req, rows, step
 
 

@@ -5,10 +5,19 @@ and the seed article's example. Step accounting as in test_scheduler.py: a reque
 
 from __future__ import annotations
 
-from replica.protocol.outputs import FinishReason
 from replica.core.request import Request, RequestStatus
-from tests.unit.scheduler_driver import EOS, FILLER, assert_blocks_consistent, detail, ids, make_scheduler, req, rows, step
-
+from replica.protocol.outputs import FinishReason
+from tests.unit.scheduler_driver import (
+    EOS,
+    FILLER,
+    assert_blocks_consistent,
+    detail,
+    ids,
+    make_scheduler,
+    req,
+    rows,
+    step,
+)
 
 # ---- finishing ----------------------------------------------------------------------------------
 

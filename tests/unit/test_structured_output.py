@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from replica.sample.logits_processors import apply_min_tokens, min_tokens_banned
-from replica.protocol.sampling_params import SamplingParams
 from replica.protocol.constraints import JSON_FORMAT, KINDS, StructuredOutputsParams, grammar_error
+from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import Grammar, GrammarCompiler, apply_grammar_masks, forbidden_tokens
+from replica.sample.logits_processors import apply_min_tokens, min_tokens_banned
 
 VOCAB = 49152
 SCHEMA = {
