@@ -160,20 +160,24 @@ def resolve_replicas(config: ServeConfig) -> int:
 
 def replicas_for_resources(config: ServeConfig, resources: dict[str, float]) -> int:
     """``replicas=auto`` for a cluster with these resources (``ray.cluster_resources()``): one
-    replica per GPU when the device is CUDA, else one per ``num_cpus_per_replica`` CPUs (at least
-    one). An explicit ``config.replicas`` is returned as is.
+    replica per ``tensor_parallel_size`` GPUs when the device is CUDA, else one per
+    ``tensor_parallel_size × num_cpus_per_replica`` CPUs (at least one). An explicit
+    ``config.replicas`` is returned as is.
 
     Raises:
-        ValueError: the device is CUDA and the cluster has no GPU.
+        ValueError: the device is CUDA and the cluster has fewer GPUs than one replica needs.
     """
     if config.replicas != "auto":
         return int(config.replicas)
+    tp = config.engine.tensor_parallel_size
     if config.engine.device.startswith("cuda"):
         gpus = int(resources.get("GPU", 0))
         if gpus < 1:
             raise ValueError("replicas=auto with device=cuda, but the Ray cluster has no GPU")
-        return gpus
-    return max(1, math.floor(resources.get("CPU", os.cpu_count() or 1) / config.num_cpus_per_replica))
+        if gpus < tp:
+            raise ValueError(f"replicas=auto with device=cuda needs {tp} GPUs per replica, but the Ray cluster has {gpus}")
+        return gpus // tp
+    return max(1, math.floor(resources.get("CPU", os.cpu_count() or 1) / (tp * config.num_cpus_per_replica)))
 
 
 def replica_deployment_options(config: ServeConfig, num_replicas: int | None) -> dict[str, Any]:
@@ -181,7 +185,10 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     entry can override, plus the health-check timings).
 
     One GPU per replica on CUDA (``ray_actor_options={"num_cpus": ..., "num_gpus": 1}``), so
-    replicas spread one per GPU; on CPU ``num_cpus_per_replica`` cores and no GPU. With
+    replicas spread one per GPU; on CPU ``num_cpus_per_replica`` cores and no GPU. A
+    tensor-parallel replica (``tensor_parallel_size`` N > 1) reserves N such bundles on one node
+    (``placement_group_bundles``, ``STRICT_PACK``, as Ray Serve LLM does): the replica actor takes
+    the first, its other ranks the rest (``replica/serve/tp_ranks.py``). With
     ``config.autoscaling`` the deployment gets an ``autoscaling_config`` and no ``num_replicas``
     (Serve rejects both); otherwise ``num_replicas`` is fixed.
 
@@ -191,7 +198,13 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     actor_options: dict[str, Any] = {"num_cpus": config.num_cpus_per_replica}
     if config.engine.device.startswith("cuda"):
         actor_options["num_gpus"] = 1
+    tp = config.engine.tensor_parallel_size
+    group: dict[str, Any] = {}
+    if tp > 1:
+        bundle = {"CPU": actor_options["num_cpus"], **({"GPU": 1} if "num_gpus" in actor_options else {})}
+        group = {"placement_group_bundles": [dict(bundle) for _ in range(tp)], "placement_group_strategy": "STRICT_PACK"}
     options: dict[str, Any] = {
+        **group,
         "name": REPLICA_DEPLOYMENT,
         "max_ongoing_requests": config.max_ongoing_requests,
         "ray_actor_options": actor_options,
@@ -306,6 +319,7 @@ def run(config: ServeConfig) -> str:
         proxy_port = free_port(config.host)  # the proxy must not take the ingress's port
         logger.info("direct ingress: the ingress serves port %d; Serve's proxy listens on %d", config.port, proxy_port)
     start_ray(config)
+    check_tensor_parallel(config)
     serve.start(http_options={"host": config.host, "port": proxy_port})
     if config.autoscaling is not None:
         scaling = config.autoscaling
@@ -317,6 +331,32 @@ def run(config: ServeConfig) -> str:
         app = build_app(config, replicas)
     serve.run(app, name=config.app_name, route_prefix="/")
     return base_url(config)
+
+
+def check_tensor_parallel(config: ServeConfig) -> None:
+    """Refuse, before deploying, a tensor-parallel replica that could never start: the model's heads
+    do not split over ``tensor_parallel_size``, or no node of the Ray cluster has the devices of
+    one replica (its bundles are packed on one node), which would leave it pending forever.
+
+    Raises:
+        ValueError: naming the head counts, or the devices one replica needs and the most any
+            node has.
+    """
+    tp = config.engine.tensor_parallel_size
+    if tp == 1:
+        return
+    import ray
+
+    from replica.config.model_files import check_tp_size, resolve_model_path
+
+    check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
+    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
+    most = max((node["Resources"].get(kind, 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
+    if most < tp * each:
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs {tp * each:g} {kind}s on one node for each replica; "
+            f"the largest node of the Ray cluster has {most:g}"
+        )
 
 
 def base_url(config: ServeConfig) -> str:

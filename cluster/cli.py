@@ -109,6 +109,7 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     device: Optional[str] = typer.Option(None, help="cpu, cuda or cuda:N (default: cpu)."),
     replicas: Optional[str] = typer.Option(None, help="Replica count, or 'auto': one per GPU (CUDA) or per CPU core (default: auto)."),
+    tensor_parallel_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", "-tp", help="GPUs (on CPU: processes of num_cpus_per_replica cores) each replica's model is sharded over; the model's heads must divide by it (default: 1)."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", "--seats", help="Seats per replica: requests in one batch (default: 32)."),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV cache budget per replica, bytes or with a unit (1GiB, 512MiB) (default: 1GiB on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="KV blocks per replica (overrides --kv-cache-memory)."),
@@ -157,6 +158,7 @@ def serve(
         _fail("CARPOOL_API_KEY is set but empty: give it a key, or unset it to serve without one")
     engine_overrides = {
         "model": model, "dtype": dtype, "device": device, "max_num_seqs": max_num_seqs,
+        "tensor_parallel_size": tensor_parallel_size,
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
         "attention_backend": attention_backend, "compile": compile, "enable_prefix_caching": enable_prefix_caching,

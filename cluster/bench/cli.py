@@ -58,6 +58,7 @@ def offline(
     compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model (--no-compile: eager)."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="CUDA: replay decode steps from CUDA graphs (with --compile)."),
     async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (continuous policy; the static run stays synchronous; default: on for CUDA, off on CPU)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Ranks (processes of --threads threads on CPU, GPUs on CUDA) the model is sharded over."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Wrap text prompts in the model's chat template."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
     prompt_logprobs_requests: int = typer.Option(0, min=0, help="The first N requests also score their prompt (prompt_logprobs=1); not with sweep."),
@@ -84,6 +85,7 @@ def offline(
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
             attention_backend=attention_backend, compile=compile, prompt_logprobs_requests=prompt_logprobs_requests,
             constrained_requests=constrained_requests, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+            tensor_parallel_size=tensor_parallel_size,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -217,6 +219,7 @@ def profile(
     compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="CUDA: replay decode steps from CUDA graphs (with --compile)."),
     async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (continuous policy; the static run stays synchronous; default: on for CUDA, off on CPU)."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", "-tp", min=1, help="Ranks (processes of --threads threads on CPU, GPUs on CUDA) the model is sharded over."),
     top: int = typer.Option(8, min=1, help="Operators listed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     constrained_requests: int = typer.Option(0, min=0, help="The first N requests are JSON-constrained (same lengths)."),
@@ -229,7 +232,7 @@ def profile(
             model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, num_requests=num_requests, skip=skip,
             steps=steps, threads=threads, attention_backend=attention_backend, compile=compile, top=top,
             json_path=json_path, constrained_requests=constrained_requests, cuda_graphs=cuda_graphs,
-            async_scheduling=async_scheduling,
+            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -66,6 +66,7 @@ def offline_main(
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
     async_scheduling: bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
@@ -73,7 +74,7 @@ def offline_main(
         workload: ``seed-example``, ``seed-mix``, ``sweep``, or the path of a JSONL file of
             ``{"prompt", "max_tokens"}`` objects.
         model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-            attention_backend, compile, cuda_graphs, async_scheduling: the engine's settings (``EngineConfig``); ``model=None``
+            attention_backend, compile, cuda_graphs, async_scheduling, tensor_parallel_size: the engine's settings (``EngineConfig``); ``model=None``
             is the default model.
         num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's size).
         mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed.
@@ -121,7 +122,7 @@ def offline_main(
     engine_kwargs = bench_engine_kwargs(
         model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
-        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
     )
     llm = LLM(**engine_kwargs)
     hf_model = None
@@ -136,6 +137,7 @@ def offline_main(
         "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
         "device": device,
         "threads": torch.get_num_threads(),
+        "tensor_parallel_size": tensor_parallel_size,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "async_scheduling": llm.engine.async_scheduling,  # of the continuous run; static is synchronous
@@ -205,6 +207,7 @@ def offline_main(
         with open(json_path, "w") as f:
             json.dump(summary, f, indent=1)
         print(f"json: {json_path}", file=out)
+    llm.close()  # a tensor-parallel engine's other ranks
     return summary
 
 
@@ -247,6 +250,7 @@ def _print_table(results: list[RunResult], summary: dict, out: TextIO) -> None:
     print(
         f"\n{summary['workload']}: {summary['num_requests']} requests, {summary['max_num_seqs']} seats, "
         f"{summary['model']} ({summary['dtype']}, {summary['threads']} thread{'s' if summary['threads'] != 1 else ''}"
+        f"{', TP ' + str(summary['tensor_parallel_size']) if summary.get('tensor_parallel_size', 1) > 1 else ''}"
         f"{', CUDA graphs' if summary.get('cuda_graphs') else ''}"
         f"{', async scheduling' if summary.get('async_scheduling') else ''})",
         file=out,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cluster.bench import workloads as wl
 
-PHASES = ("carpool.schedule", "carpool.prepare_inputs", "carpool.forward", "carpool.sample",
+PHASES = ("carpool.schedule", "carpool.prepare_inputs", "carpool.step_message", "carpool.forward", "carpool.sample",
           "carpool.grammar_masks", "carpool.update", "carpool.detokenize")
 
 
@@ -37,6 +37,7 @@ def profile_main(
     constrained_requests: int = 0,
     cuda_graphs: bool = True,
     async_scheduling: bool | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
@@ -55,7 +56,7 @@ def profile_main(
         torch.set_num_threads(threads)
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend,
-        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+        cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
     )
     llm = LLM(**({"model": model} if model else {}), **kwargs)
     engine = llm.engine
@@ -111,4 +112,5 @@ def profile_main(
         print(f"    {key[:48]:<50}{ms:9.2f} ms")
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
+    llm.close()  # a tensor-parallel engine's other ranks
     return result

@@ -237,7 +237,7 @@ def warm_up(llm, prompt_token_ids: list[int], num_seqs: int, max_tokens: int = 4
 
 def bench_engine_kwargs(
     *, model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory, attention_backend, compile, threads,
-    cuda_graphs: bool = True, async_scheduling: bool | None = None,
+    cuda_graphs: bool = True, async_scheduling: bool | None = None, tensor_parallel_size: int = 1,
 ) -> dict:
     """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``
     and ``kv_cache_memory`` (bytes) left to the defaults when None); sets torch's thread count
@@ -249,6 +249,7 @@ def bench_engine_kwargs(
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         attention_backend=attention_backend, compile=compile, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if model:
         kwargs["model"] = model

@@ -63,6 +63,14 @@ class EngineConfig(BaseModel):
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Devices (GPUs; on CPU, processes of one core each) one replica's model is sharded over "
+            "with transformers' tensor-parallel plan; the model's query and KV heads must divide by it."
+        ),
+    )
     max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget of one step (prefill chunks plus decodes)."

@@ -113,6 +113,29 @@ def _convert_packaged_model(model: str) -> str:
     return str(target)
 
 
+def check_tp_size(model_path: str, tp_size: int) -> None:
+    """Refuse a tensor-parallel size the model's heads do not split over (the model's
+    ``config.json`` in ``model_path``; nothing is checked at size 1).
+
+    Raises:
+        ValueError: ``num_attention_heads`` or ``num_key_value_heads`` is not a multiple of
+            ``tp_size``; the message names both counts.
+    """
+    if tp_size == 1:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} does not divide the model's heads: {heads} query heads and "
+            f"{kv_heads} KV heads (each rank must hold a whole number of both)"
+        )
+
+
 def load_tokenizer(path: str, tokenizer: str | None = None):
     """Load the (fast) tokenizer from ``tokenizer`` or the model folder."""
     from transformers import AutoTokenizer

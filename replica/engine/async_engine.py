@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +30,12 @@ from replica.core.request import Request
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.metrics import EngineMetrics
 from replica.engine.stats import EngineStats
-from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.engine.thread_priority import lower_thread_priority
+from replica.protocol.errors import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from replica.protocol.outputs import EngineOutput, merge_queued
 from replica.protocol.sampling_params import SamplingParams
 
@@ -86,6 +89,7 @@ class AsyncLLMEngine:
     Args:
         config: engine settings (or an already built ``engine=``).
         metrics: Prometheus metrics the engine records into (see ``replica.engine.metrics``).
+        launch_ranks: how a tensor-parallel engine starts its other ranks (``replica.worker.tp_launch``).
     """
 
     def __init__(
@@ -94,8 +98,9 @@ class AsyncLLMEngine:
         *,
         engine: LLMEngine | None = None,
         metrics: EngineMetrics | None = None,
+        launch_ranks=None,
     ) -> None:
-        self.engine = engine if engine is not None else LLMEngine(config or EngineConfig(), metrics=metrics)
+        self.engine = engine or LLMEngine(config or EngineConfig(), metrics=metrics, launch_ranks=launch_ranks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -119,7 +124,8 @@ class AsyncLLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None
+        """The loop thread runs, has not failed, and its tensor-parallel group (if any) is whole."""
+        return self._thread.is_alive() and self._error is None and not self.engine.runner.group_broken
 
     @property
     def dtype(self) -> str:
@@ -282,6 +288,8 @@ class AsyncLLMEngine:
         self._stopping = True
         self._commands.put(("stop", None))
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # else a step may still use the other ranks; they end with us
+            self.engine.close()
 
     # ---- loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -378,23 +386,3 @@ class AsyncLLMEngine:
 def _put_all(items: list[tuple[asyncio.Queue, EngineOutput | BaseException]]) -> None:
     for q, item in items:
         q.put_nowait(item)
-
-
-def lower_thread_priority(increment: int) -> int | None:
-    """Add ``increment`` to the calling thread's nice value, capped at 19; return the new value.
-
-    Linux only: there ``setpriority(PRIO_PROCESS, tid)`` applies to one thread (``sched(7)``,
-    "the nice value is a per-thread attribute"); elsewhere, and for ``increment <= 0``, nothing
-    changes and ``None`` comes back. Raising one's own nice value needs no privilege. An
-    ``OSError`` (a sandbox that forbids it) is logged, not raised.
-    """
-    if increment <= 0 or not sys.platform.startswith("linux"):
-        return None
-    tid = threading.get_native_id()
-    try:
-        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as exc:
-        logger.warning("could not lower the engine loop thread's priority: %s", exc)
-        return None
-    return nice

@@ -31,6 +31,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(**kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (the object is unusable after)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,

@@ -51,6 +51,7 @@ class LLMEngine:
     Args:
         config: an :class:`~replica.config.engine_config.EngineConfig` (or its fields as keyword arguments).
         metrics: where to record Prometheus metrics (none by default, e.g. offline use).
+        launch_ranks: how a tensor-parallel engine starts its other ranks (``replica.worker.tp_launch``).
 
     Raises:
         ValueError: a setting cannot work with this model (e.g. ``max_model_len`` beyond the
@@ -58,7 +59,7 @@ class LLMEngine:
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, *, metrics: EngineMetrics | None = None, **kwargs
+        self, config: EngineConfig | None = None, *, metrics: EngineMetrics | None = None, launch_ranks=None, **kwargs
     ) -> None:
         self.config = config or EngineConfig(**kwargs)
         self.metrics = metrics
@@ -67,17 +68,10 @@ class LLMEngine:
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path, cfg.tokenizer)
         self.runner = ModelRunner(
-            model_path,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            block_size=cfg.block_size,
-            num_blocks=cfg.num_blocks,
-            kv_cache_memory=cfg.kv_cache_memory,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            attention_backend=cfg.attention_backend,
-            compile=cfg.compile,
-            cuda_graphs=cfg.cuda_graphs,
-            max_num_seqs=cfg.max_num_seqs,
+            model_path, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+            kv_cache_memory=cfg.kv_cache_memory, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            attention_backend=cfg.attention_backend, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+            max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size, launch_ranks=launch_ranks,
         )
         self.max_model_len = decide_max_model_len(
             cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size
@@ -359,6 +353,8 @@ class LLMEngine:
             self.check_integrity()
         except AssertionError as broken:
             raise EngineStateError(f"KV block accounting broken after a failed step: {broken}") from exc
+        if self.runner.group_broken:  # a rank died or a collective failed: every later step would fail
+            raise EngineStateError(f"the tensor-parallel group is broken; last error: {exc!r}") from exc
         if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineStateError(
                 f"{self._consecutive_failed_steps} engine steps in a row failed; last error: {exc!r}"
@@ -371,11 +367,8 @@ class LLMEngine:
         self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
         if self.metrics is not None:
             self.metrics.on_state(
-                num_slots=stats.num_slots,
-                num_running=stats.num_running,
-                num_waiting=stats.num_waiting,
-                num_free_blocks=stats.num_free_blocks,
-                num_total_blocks=stats.num_total_blocks,
+                num_slots=stats.num_slots, num_running=stats.num_running, num_waiting=stats.num_waiting,
+                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
             )
 
     def reset_prefix_cache(self) -> int:
@@ -390,6 +383,10 @@ class LLMEngine:
         """The engine's load after its latest change (step, add or abort). An immutable snapshot,
         so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
         return self._stats
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica (nothing at TP 1; idempotent)."""
+        self.runner.close()
 
     def check_integrity(self) -> None:
         """Block accounting holds, and every block's owner is a live request (``AssertionError`` otherwise)."""

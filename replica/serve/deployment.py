@@ -66,7 +66,12 @@ class LLMReplica:
         self.config = config
         self._replica_id = replica_id()
         self.metrics = EngineMetrics(model_name=model_name or config.model, replica=self._replica_id)
-        self.engine = AsyncLLMEngine(config, metrics=self.metrics)
+        launch_ranks = None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
+            from replica.serve.tp_ranks import PlacementGroupLauncher
+
+            launch_ranks = PlacementGroupLauncher(num_gpus=1 if config.device.startswith("cuda") else 0)
+        self.engine = AsyncLLMEngine(config, metrics=self.metrics, launch_ranks=launch_ranks)
         self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start

@@ -63,17 +63,17 @@ def _(x, packed_weight, bias, out_features):
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.carpool.packed_linear(x, self.carpool_packed_weight, self.bias, self.out_features)
+    return torch.ops.carpool.packed_linear(x, self.carpool_packed_weight, self.bias, self.carpool_out_features)
 
 
 def _packed_forward_cpp(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.carpool_cpu.packed_linear(
-        x, self.carpool_packed_weight, self.carpool_gemv_weight, self.bias, self.out_features
+        x, self.carpool_packed_weight, self.carpool_gemv_weight, self.bias, self.carpool_out_features
     )
 
 
 def _f32_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.carpool_cpu.f32_linear(x, self.carpool_f32_weight, self.bias, self.out_features)
+    return torch.ops.carpool_cpu.f32_linear(x, self.carpool_f32_weight, self.bias, self.carpool_out_features)
 
 
 def prepack_linears(model: torch.nn.Module) -> int:
@@ -151,6 +151,9 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module, dtype):
             weight = module.weight.detach()
+            # The packed forwards compute the weight's rows: under tensor parallelism, this rank's
+            # shard of out_features (which keeps the global count, parallel.localize).
+            module.carpool_out_features, module.carpool_in_features = weight.shape
             pack(module, weight)
             packed.append((module, weight))
     for module, weight in packed:  # after every pack: two layers may share a weight

@@ -31,15 +31,17 @@ class ModelShape:
     longrope_short_len: int | None = None
 
 
-def model_shape(hf_config) -> ModelShape:
-    """Read the KV-relevant shape from a transformers config (its text config for multimodal ones)."""
+def model_shape(hf_config, tp_size: int = 1) -> ModelShape:
+    """Read the KV-relevant shape from a transformers config (its text config for multimodal ones):
+    one rank's of ``tp_size`` (``num_heads`` and ``num_kv_heads`` divided by it; the caller has
+    checked that they divide, :func:`replica.worker.parallel.check_tp_size`)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     num_heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return ModelShape(
         num_layers=text.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
+        num_heads=num_heads // tp_size,
+        num_kv_heads=(getattr(text, "num_key_value_heads", None) or num_heads) // tp_size,
         head_dim=head_dim,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         sliding_window=_sliding_window(text),

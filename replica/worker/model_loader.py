@@ -65,8 +65,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return torch.float32
 
 
-def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementation: str):
-    """Load a causal LM from a local folder with ``attn_implementation``; eval mode, no grad.
+def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementation: str, tp_size: int = 1):
+    """Load a causal LM from a local folder with ``attn_implementation``; eval mode, no grad. With
+    ``tp_size`` > 1 (in a process group of that many ranks), sharded by transformers' own
+    tensor-parallel plan (:func:`replica.worker.parallel.load_sharded`).
 
     Returns the transformers ``PreTrainedModel``.
 
@@ -77,7 +79,12 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        if tp_size > 1:
+            from replica.worker.parallel import load_sharded
+
+            model = load_sharded(path, dtype=dtype, attn_implementation=attn_implementation, tp_size=tp_size)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except KeyError as exc:
         if exc.args != (attn_implementation,):
             raise

@@ -14,14 +14,20 @@ torch.compile, ``compile=False`` eagerly. Compiled on CPU with Carpool's kernel,
 (decodes and prefill chunks) runs its attention as one decode query per token inside the graph
 (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
 
-A step is :meth:`ModelRunner.launch` (inputs and forward) then sampling: at once
-(:meth:`ModelRunner.execute`), or, with async scheduling, :meth:`ModelRunner.sample_later`, whose
-tokens stay on the device until the engine reads them a step later.
+A step is :meth:`ModelRunner.launch` (inputs and forward) then sampling
+(:mod:`replica.worker.step_sampler`): at once (:meth:`ModelRunner.execute`), or, with async
+scheduling, :meth:`ModelRunner.sample_later`, whose tokens stay on the device until the engine
+reads them a step later.
+
+Tensor parallelism (:mod:`replica.worker.parallel`): with ``tensor_parallel_size`` N > 1 the
+runner of rank 0 starts N - 1 more (:mod:`replica.worker.tp_launch`), each on its shard of the
+model (:mod:`replica.worker.tp_worker`), and before each of :meth:`ModelRunner.init_batch`, :meth:`ModelRunner.warm_up`,
+:meth:`ModelRunner.enable_decode_graphs` and :meth:`ModelRunner.forward` broadcasts the call (the
+step message: the step's :class:`~replica.worker.input_batch.ModelInputs`), which every other
+rank replays, so that all ranks run the same forwards with the same shapes and collectives.
 """
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import torch
@@ -29,25 +35,40 @@ from torch.profiler import record_function
 
 from replica.attention.backend import DecodeStep, to_device
 from replica.attention.cpu import CpuBackend, inline_chunks
-from replica.attention.op import attach_kv_cache, register_paged_attention, running_step, set_max_model_len
+from replica.attention.op import (
+    attach_kv_cache,
+    register_paged_attention,
+    running_step,
+    set_max_model_len,
+)
 from replica.attention.selector import make_backend
 from replica.config.engine_config import cache_dir
-from replica.core.request import RequestStatus
+from replica.config.model_files import check_tp_size
 from replica.core.scheduler_output import SchedulerOutput
-from replica.sample.logprobs import token_logprobs
-from replica.sample.sampler import Sampler, cpu_inversion
-from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
-from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
+from replica.sample.sampler import cpu_inversion
+from replica.worker.compilation import (
+    compile_decoder,
+    mark_step_dynamic,
+    prepack_linears,
+    use_compile_cache,
+)
+from replica.worker.cuda_graphs import (
+    MAX_GRAPH_CONTEXT,
+    DecodeGraphs,
+    graph_memory_reserve,
+)
 from replica.worker.input_batch import InputBatch, ModelInputs
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.worker.kv_sizing import decide_num_blocks
 from replica.worker.model_loader import load_model, resolve_dtype
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 from replica.worker.model_support import check_supported, probe_attention
+from replica.worker.parallel import TPGroup, install_forwards, localize, shared_reducer
+from replica.worker.step_sampler import StepSampler
+from replica.worker.tp_launch import start_ranks
 
 __all__ = ["ModelRunner", "PendingTokens", "ModelRunnerOutput"]
 
-logger = logging.getLogger(__name__)
 
 # On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
 # than the same rows among 4 to 300, which agree: where Carpool's float32 kernel (batch-invariant)
@@ -70,8 +91,12 @@ class ModelRunner:
         cuda_graphs: on CUDA with ``compile``, replay decode-only steps from CUDA graphs
             (:mod:`replica.worker.cuda_graphs`); the default KV budget then leaves room for their memory.
         max_num_seqs: the engine's seats (sizes the graphs' memory reserve).
+        tensor_parallel_size: ranks the model is sharded over (:mod:`replica.worker.parallel`);
+            with more than one, this runner is rank 0 and starts the others with ``launch_ranks``
+            (:func:`~replica.worker.tp_launch.start_ranks`), unless ``tp`` says it is one of them.
     Raises:
-        ValueError: an unknown or unavailable attention backend.
+        ValueError: an unknown or unavailable attention backend; a ``tensor_parallel_size`` the
+            model's heads do not split over.
     """
 
     def __init__(
@@ -88,19 +113,29 @@ class ModelRunner:
         compile: bool = False,
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
+        launch_ranks=None,
+        tp: TPGroup | None = None,
     ) -> None:
+        runner_kwargs = {k: v for k, v in locals().items() if k not in ("self", "launch_ranks", "tp")}
+        if tensor_parallel_size > 1:
+            check_tp_size(model_path, tensor_parallel_size)
+            tp = tp or start_ranks(tensor_parallel_size, runner_kwargs, launch_ranks)
+        self.tp = tp
         self.device = torch.device(device)
         self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
         self.max_num_seqs = max_num_seqs
         self.dtype = resolve_dtype(dtype, device)
         self.block_size = block_size
         self.model = load_model(
-            model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention()
+            model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
+            tp_size=tensor_parallel_size,
         )
         check_supported(self.model)
-        self.shape = model_shape(self.model.config)
+        self.shape = model_shape(self.model.config, tensor_parallel_size)  # this rank's heads
         self.hf_config = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
+        tp_layers = localize(self.model) if tp is not None else []
         shape = self.shape
         per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         graph_reserve = graph_memory_reserve(
@@ -109,6 +144,8 @@ class ModelRunner:
         self.num_blocks = decide_num_blocks(
             num_blocks, kv_cache_memory, gpu_memory_utilization, per_block, self.device, reserve=graph_reserve
         )
+        if tp is not None:  # every rank's pool has the same blocks
+            self.num_blocks = tp.min_over_ranks(self.num_blocks)
         # Padding tokens write their K/V into one extra block that no block table holds.
         self.padding_slot = self.num_blocks * block_size
         self.kv_cache = PagedKVCache(
@@ -130,6 +167,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
         self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
+        if tp_layers:  # on CPU the row-wise layers sum through shared memory where it serves
+            hidden_bytes = self.hf_config.get_text_config().hidden_size * self.dtype.itemsize
+            self.reducer = shared_reducer(tp, hidden_bytes) if self.device.type == "cpu" else None
+            install_forwards(tp_layers, self.device, self.reducer)
         if not probe_attention(self):  # the layers drop the DecodeStep: plan every step on the backend
             self.backend.inline_decode = False
             self.use_cuda_graphs = False
@@ -143,7 +184,7 @@ class ModelRunner:
         self.pad_steps = self.device.type == "cpu" and sixteen_bit
         float32_blas = self.device.type == "cpu" and self.dtype == torch.float32 and not self.num_packed
         self.min_rows = FLOAT32_MIN_ROWS if float32_blas else 1
-        self.sampler = Sampler()
+        self.step_sampler = StepSampler(self.device)
         self.input_batch: InputBatch | None = None
         self.graphs: DecodeGraphs | None = None
 
@@ -162,14 +203,19 @@ class ModelRunner:
     def init_batch(self, max_num_seqs: int, max_model_len: int) -> None:
         """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens), and
         give the attention layers ``max_model_len`` (:func:`set_max_model_len`)."""
+        self._command("init_batch", max_num_seqs, max_model_len)
         self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot)
         set_max_model_len(self.model, max_model_len)
         if self.use_cuda_graphs:
-            self.enable_decode_graphs(capture=True)
+            self._make_graphs(capture=True)
 
     def enable_decode_graphs(self, *, capture: bool) -> None:
         """Run decode-only steps through :class:`DecodeGraphs` (after :meth:`init_batch`); with
         ``capture=False`` (any device) the padded static-buffer path runs without CUDA graphs."""
+        self._command("enable_decode_graphs", capture)
+        self._make_graphs(capture)
+
+    def _make_graphs(self, capture: bool) -> None:
         batch = self.input_batch
         self.graphs = DecodeGraphs(
             self._graph_forward, max_num_seqs=batch.block_table.shape[0], max_blocks=batch.block_table.shape[1],
@@ -194,7 +240,31 @@ class ModelRunner:
         while serving (:func:`replica.worker.warm_up.warm_up`); returns what it did (counts and seconds)."""
         from replica.worker.warm_up import warm_up
 
+        self._command("warm_up", max_num_batched_tokens, max_num_seqs)
         return warm_up(self, max_num_batched_tokens, max_num_seqs)
+
+    # ---- tensor parallelism (replica.worker.parallel) -------------------------------------------
+    def _command(self, name: str, *args) -> None:
+        """Rank 0 of a tensor-parallel group: have the other ranks run ``name(*args)`` too
+        (:func:`~replica.worker.tp_worker.run_rank`), before running it here."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.broadcast((name, args))
+
+    @property
+    def group_broken(self) -> bool:
+        """Whether this runner's tensor-parallel group can no longer run steps: a rank has ended,
+        or a forward failed part-way (False at TP 1)."""
+        return self.tp is not None and (self.tp.broken or not self.tp.ranks_alive())
+
+    def close(self) -> None:
+        """Rank 0: end the other ranks' loops and leave the group (idempotent; nothing at TP 1)."""
+        tp, self.tp = self.tp, None
+        if tp is not None and tp.rank == 0:
+            try:
+                if tp.ranks_alive():
+                    tp.broadcast(None)
+            finally:
+                tp.close()
 
     def decode_arrays(self, seqs) -> list[np.ndarray]:
         """A decode-like step's attention inputs (:class:`~replica.attention.backend.DecodeStep`), one query
@@ -220,7 +290,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward for ``out``, sample the rows that reach their last known token and score
         the prompt positions whose logprobs are asked for."""
-        return self._sample(*self.launch(out))
+        return self.step_sampler.sample(*self.launch(out))
 
     @torch.inference_mode()
     def launch(
@@ -234,14 +304,37 @@ class ModelRunner:
             inputs = self.input_batch.prepare(
                 out.scheduled, pad=self.pad_steps, min_tokens=self.min_step_tokens, min_rows=self.min_rows
             )
-            seqs = inputs.sequences
-            arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
-            all_decodes = bool((seqs.query_lens == 1).all())
             patch = None
             if any(s.from_previous for s in out.scheduled):
                 if previous is None:
                     raise RuntimeError("a row takes its input token from a step in flight, but none is")
-                patch = previous.inputs_for(out.scheduled, seqs.query_start, self.device)
+                patch = previous.inputs_for(out.scheduled, inputs.sequences.query_start, self.device)
+        return out, inputs, self.forward(inputs, patch)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The forward of one step's ``inputs`` (every rank of a tensor-parallel group runs it:
+        rank 0 first sends the others ``inputs`` and ``patch``, the step message); ``patch``
+        (async scheduling) puts tokens still on the device into ``input_ids``. Returns the logits
+        ``[num_logits_rows, vocab]``."""
+        if self.tp is not None and self.tp.rank == 0:
+            with record_function("carpool.step_message"):  # on the host (a GPU's patch: copied back)
+                self._command("forward", inputs, None if patch is None else tuple(t.cpu() for t in patch))
+        elif patch is not None:
+            patch = tuple(t.to(self.device) for t in patch)
+        if self.tp is None:
+            return self._forward(inputs, patch)
+        try:
+            return self._forward(inputs, patch)
+        except BaseException:  # the ranks may now wait in different collectives: the group is done
+            self.tp.broken = True
+            raise
+
+    def _forward(self, inputs: ModelInputs, patch: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        with record_function("carpool.prepare_inputs"):
+            seqs = inputs.sequences
+            arrays = [inputs.input_ids, inputs.positions, inputs.logits_indices]
+            all_decodes = bool((seqs.query_lens == 1).all())
         if self.graphs is not None and all_decodes and len(inputs.sample_rows) == seqs.num_seqs and not inputs.prompt_spans:
             with record_function("carpool.forward"):
                 n = seqs.num_seqs
@@ -250,7 +343,7 @@ class ModelRunner:
                     patch=patch,
                 )
             if logits is not None:
-                return out, inputs, logits
+                return logits
         with record_function("carpool.prepare_inputs"):
             # Prefill chunks run as one decode query per token (decode_arrays): the step
             # then takes the decode graph, whose attention is Carpool's kernel traced in, instead
@@ -281,106 +374,9 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
                 **extra,
             ).logits[0]  # [num_logits_rows, vocab]
-        return out, inputs, logits
+        return logits
 
-    @torch.inference_mode()
     def sample_later(self, launched: tuple[SchedulerOutput, ModelInputs, torch.Tensor]) -> PendingTokens:
-        """Sample a launched step (:meth:`launch`) without reading its tokens back: the rows of
-        requests still running (a request that ended since it was scheduled gets no token). A step
-        with logprobs, prompt logprobs or a sampling error is sampled as :meth:`execute` does."""
-        out, inputs, logits = launched
-        keep = [k for k, row in enumerate(inputs.sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
-        requests = [out.scheduled[inputs.sample_rows[k]].request for k in keep]
-        plain = (
-            not inputs.prompt_spans
-            and all(r.sampling_params.logprobs is None for r in requests)
-            and not any(s.is_padding for s in out.scheduled)  # static baseline's padding rows: _sample
-        )
-        if plain:
-            self._seed_generators(requests)
-            rows = logits[: len(inputs.sample_rows)]
-            if len(keep) < len(inputs.sample_rows):
-                rows = rows.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
-            try:
-                with record_function("carpool.sample"):
-                    tokens = self.sampler.sample_ids(rows, requests) if requests else rows.new_empty(0, dtype=torch.int64)
-            except Exception:
-                logger.exception("batched sampling failed; sampling the step's rows one by one")
-            else:
-                rows_of = [inputs.sample_rows[k] for k in keep]
-                return PendingTokens([r.request_id for r in requests], rows_of, tokens, len(out.scheduled))
-        result = self._sample(out, inputs, logits)
-        ids = [None if s.is_padding else s.request.request_id for s in out.scheduled]  # static padding: no next step
-        return PendingTokens.done(result, ids, self.device)
-
-    def _seed_generators(self, requests) -> None:
-        for request in requests:
-            if request.sampling_params.seed is not None and request.generator is None:
-                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
-
-    def _sample(self, out: SchedulerOutput, inputs, logits: torch.Tensor) -> ModelRunnerOutput:
-        """Sample the step's sampling rows and score its prompt rows from ``logits``
-        ``[num_logits_rows, vocab]`` (sampling rows first, then prompt rows, then step padding)."""
-        sample_rows = inputs.sample_rows
-        num_real_rows = len(sample_rows)
-        result = ModelRunnerOutput([None] * len(out.scheduled), [None] * len(out.scheduled))
-        if inputs.prompt_spans:
-            with record_function("carpool.prompt_logprobs"):
-                self._score_prompts(out, inputs, logits[num_real_rows : num_real_rows + inputs.num_prompt_rows], result)
-        logits = logits[:num_real_rows]  # [num_sampling_rows, vocab]
-        if not sample_rows:
-            return result
-
-        # Rows of running requests (async scheduling: one that ended since it was scheduled gets none).
-        real = [i for i, row in enumerate(sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
-        static_padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
-        if real:
-            requests = [out.scheduled[sample_rows[i]].request for i in real]
-            self._seed_generators(requests)
-            real_logits = logits if len(real) == len(sample_rows) else logits[real]
-            try:
-                with record_function("carpool.sample"):
-                    sampled = self.sampler(real_logits, requests)
-            except Exception:
-                # One request's parameters or state may break the batched sampler: sample each
-                # row alone, so that only the rows that fail by themselves fail.
-                logger.exception("batched sampling failed; sampling the %d rows one by one", len(real))
-                for k, (i, request) in enumerate(zip(real, requests)):
-                    row = sample_rows[i]
-                    try:
-                        one = self.sampler(real_logits[k : k + 1], [request])
-                    except Exception as exc:
-                        result.errors[row] = exc
-                        continue
-                    result.sampled_token_ids[row] = one.token_ids[0]
-                    result.logprobs[row] = one.logprobs[0]
-            else:
-                for i, token_id, lp in zip(real, sampled.token_ids, sampled.logprobs):
-                    result.sampled_token_ids[sample_rows[i]] = token_id
-                    result.logprobs[sample_rows[i]] = lp
-        if static_padding:
-            # Static baseline: finished members' rows, computed as in a padded batch; tokens thrown away.
-            for i, token_id in zip(static_padding, logits[static_padding].argmax(dim=-1).tolist()):
-                result.sampled_token_ids[sample_rows[i]] = token_id
-        return result
-
-    def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
-        """Prompt logprobs of ``inputs.prompt_spans`` from their logits rows ``[num_prompt_rows, V]``
-        into ``result.prompt_logprobs``; a failure ends only the requests of those rows."""
-        targets: list[int] = []
-        ks: list[int] = []
-        for i, first, end in inputs.prompt_spans:
-            request = out.scheduled[i].request
-            targets.extend(request.prompt_token_ids[first + 1 : end + 1])  # position q scores token q + 1
-            ks.extend([request.sampling_params.prompt_logprobs] * (end - first))
-        try:
-            entries = token_logprobs(logits, torch.tensor(targets, device=logits.device), ks)
-        except Exception as exc:
-            logger.exception("prompt logprobs failed for %d rows", len(targets))
-            for i, _, _ in inputs.prompt_spans:
-                result.errors[i] = exc
-            return
-        offset = 0
-        for i, first, end in inputs.prompt_spans:
-            result.prompt_logprobs[i] = entries[offset : offset + end - first]
-            offset += end - first
+        """:meth:`StepSampler.sample_later <replica.worker.step_sampler.StepSampler.sample_later>`
+        of a launched step (:meth:`launch`)."""
+        return self.step_sampler.sample_later(launched)

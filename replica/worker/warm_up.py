@@ -65,7 +65,8 @@ def _warm_up_matmuls(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
         if _on_carpool_kernel(module):
             continue  # no oneDNN primitive to build
         if isinstance(module, torch.nn.Linear) and module is not output:
-            key = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype)
+            # Packed layers: their weight's shape (under tensor parallelism, this rank's shard).
+            key = (_features(module), module.bias is not None, module.weight.dtype)
             layers.setdefault(key, module)
     token_sizes = sorted({padded_size(n) for n in range(1, max_num_batched_tokens + 1)})
     row_sizes = sorted({padded_size(n) for n in range(1, max_num_seqs + 1)})
@@ -73,9 +74,13 @@ def _warm_up_matmuls(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
     heads = [] if _on_carpool_kernel(output) else [(output, row_sizes)]
     for layer, sizes in [*((layer, token_sizes) for layer in layers.values()), *heads]:
         for size in sizes:
-            layer(torch.zeros(1, size, layer.in_features, dtype=layer.weight.dtype, device=runner.device))
+            layer(torch.zeros(1, size, _features(layer)[0], dtype=layer.weight.dtype, device=runner.device))
             runs += 1
     return runs
+
+
+def _features(module: torch.nn.Linear) -> tuple[int, int]:
+    return getattr(module, "carpool_in_features", module.in_features), getattr(module, "carpool_out_features", module.out_features)
 
 
 def _on_carpool_kernel(module: torch.nn.Module) -> bool:

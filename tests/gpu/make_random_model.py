@@ -3,8 +3,9 @@ that cannot reach a model hub (the device machine): speed depends on shapes, not
 
     python -m tests.gpu.make_random_model --tokenizer DIR --shape smollm2-135m --out DIR [--device cuda]
 
-Shapes: ``smollm2-135m`` (HuggingFaceTB/SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads)
-and ``llama3-8b`` (Meta Llama 3 8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336) with
+Shapes: ``smollm2-135m`` (HuggingFaceTB/SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 KV heads),
+``qwen2.5-0.5b`` (Qwen/Qwen2.5-0.5B: a Qwen2 model of 24 layers, hidden 896, 14 heads, 2 KV heads,
+MLP 4864; its query, key and value biases) and ``llama3-8b`` (Meta Llama 3 8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336) with
 the SmolLM2 vocabulary (49152) so one tokenizer serves both. Weights are drawn on ``--device``
 (GPU initialization of 8B parameters takes seconds; on CPU, minutes) and saved as bf16 safetensors.
 """
@@ -21,6 +22,10 @@ SHAPES = {
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0,
     ),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0,
+    ),
     "llama3-8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0,
@@ -36,9 +41,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
-    config = LlamaConfig(
+    config = (Qwen2Config if args.shape.startswith("qwen") else LlamaConfig)(
         vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, pad_token_id=2,
         **SHAPES[args.shape],
     )

@@ -1,0 +1,125 @@
+"""The all-reduce of a CPU tensor-parallel group through shared memory, instead of gloo.
+
+gloo sums over loopback TCP, each call handed from the calling thread to gloo's own threads and
+back on every rank; on a few cores that are all busy computing, those hand-offs cost more than
+the arithmetic the ranks share (``docs/bench/tensor-parallel-cpu.md``). The ranks of a CPU
+replica share one host, so :class:`ShmAllReduce` has each rank copy its partial sum into its slot
+of one shared buffer, publish the call's sequence number, wait (spinning, then yielding) until
+every rank has published it, and add the slots in rank order: every rank computes the same sum,
+bit for bit. Slots alternate between two halves by call parity, so a rank writes call ``s + 1``
+only into the half its peers finished reading at call ``s - 1`` (each publishes ``s`` after it has
+read call ``s - 1``). Stores on x86-64 are seen by other cores in program order, so a published
+number guarantees the slot's data (the module is not used elsewhere: :func:`available`).
+
+The row-wise layers call it through the custom op ``carpool::shm_all_reduce``, which
+``torch.compile`` keeps in the graph as one opaque call (:func:`replica.worker.parallel.install_forwards`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+# Spins before each yield of the CPU while waiting for a peer (a peer computing its own share
+# arrives within microseconds to a millisecond; yielding lets the host's other threads run).
+SPINS_PER_YIELD = 256
+# Seconds a rank waits for a peer before it raises (a rank that hangs), and how often a waiting
+# rank 0 checks that the others still run (one that died ends the wait at once).
+TIMEOUT_S = 60.0
+CHECK_EVERY_S = 0.05
+_FLAG_BYTES = 64  # one cache line per rank's sequence number
+
+_reducers: dict[int, ShmAllReduce] = {}
+
+
+def available() -> bool:
+    """Shared-memory files and x86-64's store ordering (see the module docstring)."""
+    return os.path.isdir("/dev/shm") and platform.machine() in ("x86_64", "AMD64")
+
+
+def buffer_bytes(world_size: int, max_bytes: int) -> int:
+    """Size of the shared file: a sequence number per rank, then two halves of a slot per rank."""
+    return _FLAG_BYTES * world_size + 2 * world_size * max_bytes
+
+
+class ShmAllReduce:
+    """Sum tensors of up to ``max_bytes`` over ``world_size`` ranks of one host.
+
+    Args:
+        rank, world_size: this rank and the group's size.
+        path: the shared file (``/dev/shm/...``) of :func:`buffer_bytes` bytes, made by rank 0
+            before any rank opens it (the caller orders that, and unlinks it once all have: the
+            mappings stay).
+    Raises:
+        RuntimeError: (from torch) the file cannot be mapped.
+        max_bytes: the largest tensor a call sums through the shared buffer.
+        peers_alive: rank 0's check that the other ranks still run (``TPGroup.ranks_alive``).
+    """
+
+    def __init__(self, rank: int, world_size: int, path: str, max_bytes: int, peers_alive=None) -> None:
+        self.rank, self.world_size, self.max_bytes = rank, world_size, max_bytes
+        self.peers_alive = peers_alive
+        size = buffer_bytes(world_size, max_bytes)
+        self.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.flags = self.buffer[: _FLAG_BYTES * world_size].view(torch.int64).view(world_size, -1)[:, 0]
+        self.slots = self.buffer[_FLAG_BYTES * world_size :].view(2, world_size, max_bytes)
+        self.seq = 0
+        self.key = id(self)
+        _reducers[self.key] = self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` (any shape and dtype) over the ranks, as a new tensor; a tensor
+        larger than ``max_bytes`` (a long prefill chunk) is summed by the default group (gloo).
+
+        Raises:
+            TimeoutError: a peer has not published this call within :data:`TIMEOUT_S`.
+            RuntimeError: ``peers_alive`` says a rank has ended.
+        """
+        nbytes = x.numel() * x.element_size()
+        if nbytes > self.max_bytes:  # every rank takes this path for the same call
+            total = x.contiguous().clone()
+            torch.distributed.all_reduce(total)
+            return total
+        self.seq += 1
+        seq, half = self.seq, self.slots[self.seq % 2]
+        half[self.rank, :nbytes].view(x.dtype).view(x.shape).copy_(x.contiguous())
+        self.flags[self.rank] = seq
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self._wait(peer, seq)
+        parts = [half[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.world_size)]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        return total
+
+    def _wait(self, peer: int, seq: int) -> None:
+        deadline = next_check = None
+        spins = 0
+        while int(self.flags[peer]) < seq:
+            spins += 1
+            if spins % SPINS_PER_YIELD == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline, next_check = now + TIMEOUT_S, now + CHECK_EVERY_S
+                elif now > deadline:
+                    raise TimeoutError(f"tensor-parallel rank {peer} did not reach all-reduce {seq} in {TIMEOUT_S:g} s")
+                elif now > next_check and self.peers_alive is not None:
+                    if not self.peers_alive():
+                        raise RuntimeError(f"tensor-parallel rank {peer} has ended (all-reduce {seq})")
+                    next_check = now + CHECK_EVERY_S
+                time.sleep(0)
+
+
+@torch.library.custom_op("carpool::shm_all_reduce", mutates_args=())
+def shm_all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    """``x`` summed over the ranks by the :class:`ShmAllReduce` registered as ``key``."""
+    return _reducers[key](x)
+
+
+@shm_all_reduce.register_fake
+def _(x, key):
+    return torch.empty_like(x)
