@@ -73,14 +73,17 @@ class LLMEngine:
             attention_backend=cfg.attention_backend, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
             max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size, launch_ranks=launch_ranks,
         )
-        self.max_model_len = decide_max_model_len(
-            cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size
-        )
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
-        self.scheduler = self._make_scheduler(cfg.scheduling_policy)
-        self.vocab_size = self.runner.vocab_size
-        self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
-        self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        try:
+            self.max_model_len = decide_max_model_len(
+                cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size)
+            self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+            self.scheduler = self._make_scheduler(cfg.scheduling_policy)
+            self.vocab_size = self.runner.vocab_size
+            self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
+            self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        except BaseException:  # a tensor-parallel runner's other ranks must not wait for it forever
+            self.runner.close(kill=True)
+            raise
         logger.info(
             "engine warm-up: %s",
             ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"

@@ -122,71 +122,75 @@ class ModelRunner:
             check_tp_size(model_path, tensor_parallel_size)
             tp = tp or start_ranks(tensor_parallel_size, runner_kwargs, launch_ranks)
         self.tp = tp
-        self.device = torch.device(device)
-        self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
-        self.max_num_seqs = max_num_seqs
-        self.dtype = resolve_dtype(dtype, device)
-        self.block_size = block_size
-        self.model = load_model(
-            model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
-            tp_size=tensor_parallel_size,
-        )
-        check_supported(self.model)
-        self.shape = model_shape(self.model.config, tensor_parallel_size)  # this rank's heads
-        self.hf_config = self.model.config
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
-        tp_layers = localize(self.model) if tp is not None else []
-        shape = self.shape
-        per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
-        graph_reserve = graph_memory_reserve(
-            max_num_seqs, shape.max_position_embeddings or MAX_GRAPH_CONTEXT, shape.num_heads, self.vocab_size
-        ) if self.use_cuda_graphs else 0
-        self.num_blocks = decide_num_blocks(
-            num_blocks, kv_cache_memory, gpu_memory_utilization, per_block, self.device, reserve=graph_reserve
-        )
-        if tp is not None:  # every rank's pool has the same blocks
-            self.num_blocks = tp.min_over_ranks(self.num_blocks)
-        # Padding tokens write their K/V into one extra block that no block table holds.
-        self.padding_slot = self.num_blocks * block_size
-        self.kv_cache = PagedKVCache(
-            num_layers=self.shape.num_layers,
-            num_blocks=self.num_blocks + 1,
-            block_size=block_size,
-            num_kv_heads=self.shape.num_kv_heads,
-            head_dim=self.shape.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.compiled = compile
-        shape = self.shape
-        self.backend = make_backend(attention_backend, self.device, self.block_size, compiled=self.compiled,
-                                    num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                                    head_dim=shape.head_dim, dtype=self.dtype)
-        attach_kv_cache(self.model, self.kv_cache.key_cache, self.kv_cache.value_cache)
-        sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
-        if self.device.type == "cpu":
-            cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
-        self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
-        if tp_layers:  # on CPU the row-wise layers sum through shared memory where it serves
-            hidden_bytes = self.hf_config.get_text_config().hidden_size * self.dtype.itemsize
-            self.reducer = shared_reducer(tp, hidden_bytes) if self.device.type == "cpu" else None
-            install_forwards(tp_layers, self.device, self.reducer)
-        if not probe_attention(self):  # the layers drop the DecodeStep: plan every step on the backend
-            self.backend.inline_decode = False
-            self.use_cuda_graphs = False
-        if compile:
-            use_compile_cache(str(cache_dir() / "inductor"))
-            compile_decoder(self.model)
-        # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
-        self.min_step_tokens = 2 if compile else 1
-        # On CPU in 16-bit dtypes (oneDNN's attention and matmuls build a kernel per shape; Carpool's
-        # linear kernels take any size), steps are padded to a few sizes (see padded_size).
-        self.pad_steps = self.device.type == "cpu" and sixteen_bit
-        float32_blas = self.device.type == "cpu" and self.dtype == torch.float32 and not self.num_packed
-        self.min_rows = FLOAT32_MIN_ROWS if float32_blas else 1
-        self.step_sampler = StepSampler(self.device)
-        self.input_batch: InputBatch | None = None
-        self.graphs: DecodeGraphs | None = None
+        try:
+            self.device = torch.device(device)
+            self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
+            self.max_num_seqs = max_num_seqs
+            self.dtype = resolve_dtype(dtype, device)
+            self.block_size = block_size
+            self.model = load_model(
+                model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
+                tp_size=tensor_parallel_size,
+            )
+            check_supported(self.model)
+            self.shape = model_shape(self.model.config, tensor_parallel_size)  # this rank's heads
+            self.hf_config = self.model.config
+            self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
+            tp_layers = localize(self.model) if tp is not None else []
+            shape = self.shape
+            per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+            graph_reserve = graph_memory_reserve(
+                max_num_seqs, shape.max_position_embeddings or MAX_GRAPH_CONTEXT, shape.num_heads, self.vocab_size
+            ) if self.use_cuda_graphs else 0
+            self.num_blocks = decide_num_blocks(
+                num_blocks, kv_cache_memory, gpu_memory_utilization, per_block, self.device, reserve=graph_reserve
+            )
+            if tp is not None:  # every rank's pool has the same blocks
+                self.num_blocks = tp.min_over_ranks(self.num_blocks)
+            # Padding tokens write their K/V into one extra block that no block table holds.
+            self.padding_slot = self.num_blocks * block_size
+            self.kv_cache = PagedKVCache(
+                num_layers=self.shape.num_layers,
+                num_blocks=self.num_blocks + 1,
+                block_size=block_size,
+                num_kv_heads=self.shape.num_kv_heads,
+                head_dim=self.shape.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            self.compiled = compile
+            shape = self.shape
+            self.backend = make_backend(attention_backend, self.device, self.block_size, compiled=self.compiled,
+                                        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                                        head_dim=shape.head_dim, dtype=self.dtype)
+            attach_kv_cache(self.model, self.kv_cache.key_cache, self.kv_cache.value_cache)
+            sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
+            if self.device.type == "cpu":
+                cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
+            self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
+            if tp_layers:  # on CPU the row-wise layers sum through shared memory where it serves
+                hidden_bytes = self.hf_config.get_text_config().hidden_size * self.dtype.itemsize
+                self.reducer = shared_reducer(tp, hidden_bytes) if self.device.type == "cpu" else None
+                install_forwards(tp_layers, self.device, self.reducer)
+            if not probe_attention(self):  # the layers drop the DecodeStep: plan every step on the backend
+                self.backend.inline_decode = False
+                self.use_cuda_graphs = False
+            if compile:
+                use_compile_cache(str(cache_dir() / "inductor"))
+                compile_decoder(self.model)
+            # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
+            self.min_step_tokens = 2 if compile else 1
+            # On CPU in 16-bit dtypes (oneDNN's attention and matmuls build a kernel per shape; Carpool's
+            # linear kernels take any size), steps are padded to a few sizes (see padded_size).
+            self.pad_steps = self.device.type == "cpu" and sixteen_bit
+            float32_blas = self.device.type == "cpu" and self.dtype == torch.float32 and not self.num_packed
+            self.min_rows = FLOAT32_MIN_ROWS if float32_blas else 1
+            self.step_sampler = StepSampler(self.device)
+            self.input_batch: InputBatch | None = None
+            self.graphs: DecodeGraphs | None = None
+        except BaseException:  # the other ranks would wait for this one forever
+            self.close(kill=True)
+            raise
 
     @property
     def pad_steps(self) -> bool:
@@ -256,12 +260,16 @@ class ModelRunner:
         or a forward failed part-way (False at TP 1)."""
         return self.tp is not None and (self.tp.broken or not self.tp.ranks_alive())
 
-    def close(self) -> None:
-        """Rank 0: end the other ranks' loops and leave the group (idempotent; nothing at TP 1)."""
+    def close(self, *, kill: bool = False) -> None:
+        """Rank 0: end the other ranks' loops, or with ``kill`` the ranks themselves (when they
+        may be inside a collective), and leave the group (idempotent; nothing at TP 1)."""
         tp, self.tp = self.tp, None
         if tp is not None and tp.rank == 0:
             try:
-                if tp.ranks_alive():
+                if kill:
+                    for handle in tp.ranks:
+                        handle.kill()
+                elif tp.ranks_alive():
                     tp.broadcast(None)
             finally:
                 tp.close()

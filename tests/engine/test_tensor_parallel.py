@@ -127,3 +127,24 @@ def test_the_ranks_end_when_rank_0_is_killed(tiny_llama, tmp_path):
         assert _gone(rank1_pid, 30), "rank 1 outlived rank 0"
     finally:
         rank0.kill()
+
+
+def test_a_failed_start_leaves_no_rank_behind(tiny_llama):
+    """The engine refuses a setting after the other rank has started (a context longer than the
+    KV pool): that rank is ended, not left waiting for rank 0."""
+    import psutil
+
+    def ranks() -> set[int]:
+        found = set()
+        for child in psutil.Process().children():
+            try:
+                if "replica.worker.tp_worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                    found.add(child.pid)
+            except psutil.Error:
+                pass
+        return found
+
+    before = ranks()
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2, compile=False, num_blocks=2, max_model_len=1000)
+    assert all(_gone(pid, 30) for pid in ranks() - before)
