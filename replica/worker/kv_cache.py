@@ -34,7 +34,7 @@ class ModelShape:
 def model_shape(hf_config, tp_size: int = 1) -> ModelShape:
     """Read the KV-relevant shape from a transformers config (its text config for multimodal ones):
     one rank's of ``tp_size`` (``num_heads`` and ``num_kv_heads`` divided by it; the caller has
-    checked that they divide, :func:`replica.worker.parallel.check_tp_size`)."""
+    checked that they divide, :func:`replica.config.model_files.check_tp_size`)."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     num_heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads

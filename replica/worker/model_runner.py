@@ -29,6 +29,8 @@ rank replays, so that all ranks run the same forwards with the same shapes and c
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from torch.profiler import record_function
@@ -63,7 +65,7 @@ from replica.worker.kv_sizing import decide_num_blocks
 from replica.worker.model_loader import load_model, resolve_dtype
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 from replica.worker.model_support import check_supported, probe_attention
-from replica.worker.parallel import TPGroup, install_forwards, localize, shared_reducer
+from replica.worker.parallel import TPGroup, abandon_group, install_forwards, localize, shared_reducer
 from replica.worker.step_sampler import StepSampler
 from replica.worker.tp_launch import start_ranks
 
@@ -122,6 +124,8 @@ class ModelRunner:
             check_tp_size(model_path, tensor_parallel_size)
             tp = tp or start_ranks(tensor_parallel_size, runner_kwargs, launch_ranks)
         self.tp = tp
+        # Rank 0's engine dropped without close(): its other ranks end with it.
+        self._abandon = weakref.finalize(self, abandon_group, tp) if tp is not None and tp.rank == 0 else None
         try:
             self.device = torch.device(device)
             self.use_cuda_graphs = cuda_graphs and compile and self.device.type == "cuda"
@@ -264,6 +268,8 @@ class ModelRunner:
         """Rank 0: end the other ranks' loops, or with ``kill`` the ranks themselves (when they
         may be inside a collective), and leave the group (idempotent; nothing at TP 1)."""
         tp, self.tp = self.tp, None
+        if self._abandon is not None:
+            self._abandon.detach()
         if tp is not None and tp.rank == 0:
             try:
                 if kill:

@@ -61,8 +61,10 @@ class TPGroup:
 
     def broadcast(self, message=None):
         """Rank 0 sends ``message`` (any picklable object; numpy arrays travel as buffers), the
-        other ranks return it. Raises ``RuntimeError`` (from gloo) when a rank has died or waits
-        past :data:`COLLECTIVE_TIMEOUT_S`."""
+        other ranks return it. Raises ``RuntimeError`` (from gloo) when a peer's connection has
+        closed (its process ended); a live rank that hangs is caught by the model's collectives
+        (:data:`COLLECTIVE_TIMEOUT_S`, the shared-memory all-reduce's timeout), not here, where
+        the other ranks wait as long as rank 0 idles (:data:`MESSAGE_TIMEOUT`)."""
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self.message_group)
         return box[0]
@@ -77,6 +79,14 @@ class TPGroup:
         """Leave the process group (every rank's last collective call)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def abandon_group(tp: TPGroup) -> None:
+    """Rank 0 gone without a word (its engine garbage-collected, or the interpreter exiting): kill
+    the other ranks and leave the group."""
+    for handle in tp.ranks:
+        handle.kill()
+    tp.close()
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:

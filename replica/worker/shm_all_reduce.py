@@ -53,10 +53,10 @@ class ShmAllReduce:
         path: the shared file (``/dev/shm/...``) of :func:`buffer_bytes` bytes, made by rank 0
             before any rank opens it (the caller orders that, and unlinks it once all have: the
             mappings stay).
-    Raises:
-        RuntimeError: (from torch) the file cannot be mapped.
         max_bytes: the largest tensor a call sums through the shared buffer.
         peers_alive: rank 0's check that the other ranks still run (``TPGroup.ranks_alive``).
+    Raises:
+        RuntimeError: (from torch) the file cannot be mapped.
     """
 
     def __init__(self, rank: int, world_size: int, path: str, max_bytes: int, peers_alive=None) -> None:

@@ -40,12 +40,26 @@ def rank_device(device: str, rank: int) -> str:
 
 def start_ranks(tp_size: int, runner_kwargs: dict, launch=None) -> TPGroup:
     """Start ranks 1..``tp_size``-1 with ``launch`` (default :class:`ProcessLauncher`) and join
-    their group as rank 0. Raises ``RuntimeError`` when they do not join in time (from
-    :func:`~replica.worker.parallel.init_tp_group`)."""
+    their group as rank 0; if joining fails, the started ranks are killed.
+
+    Raises:
+        RuntimeError: this process already holds a tensor-parallel group (one engine of
+            ``tensor_parallel_size`` > 1 per process: ``close()`` the first), or the ranks do not
+            join in time (from :func:`~replica.worker.parallel.init_tp_group`).
+    """
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "this process already runs a tensor-parallel engine (one per process): close() it before starting another"
+        )
     launch = launch or ProcessLauncher()
     init_method = f"tcp://{launch.host}:{free_port(launch.host)}"
     handles = launch(init_method, tp_size, runner_kwargs, torch.get_num_threads())
-    tp = init_tp_group(0, tp_size, init_method, torch.device(runner_kwargs["device"]))
+    try:
+        tp = init_tp_group(0, tp_size, init_method, torch.device(runner_kwargs["device"]))
+    except BaseException:
+        for handle in handles:
+            handle.kill()
+        raise
     tp.ranks = handles
     return tp
 
@@ -72,7 +86,7 @@ class RankProcess:
 
 class ProcessLauncher:
     """One local child process per rank 1..``tp_size``-1 (vLLM's ``mp`` executor), on the next
-    devices (:func:`rank_device`); each ends when this process does (``PR_SET_PDEATHSIG``) or when
+    devices (:func:`rank_device`); each ends when this process does (its watch of the parent's pid) or when
     the group breaks."""
 
     host = "127.0.0.1"

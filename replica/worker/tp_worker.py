@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import signal
 import sys
+import threading
+import time
 
 import torch
 
@@ -23,6 +24,8 @@ from replica.worker.parallel import init_tp_group
 
 logger = logging.getLogger(__name__)
 
+# Seconds between two looks of a local rank process at whether its parent (rank 0) still runs.
+PARENT_CHECK_S = 0.5
 # What rank 0 may ask the other ranks to run (ModelRunner methods, called with the same arguments).
 RANK_COMMANDS = frozenset({"init_batch", "warm_up", "enable_decode_graphs", "forward"})
 
@@ -54,15 +57,16 @@ def run_rank(rank: int, tp_size: int, init_method: str, runner_kwargs: dict, num
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel kill this process when its parent ends (and end now if it has)."""
-    try:
-        import ctypes
+    """End this process within :data:`PARENT_CHECK_S` of its parent's end, whatever this process is
+    doing then (a thread that watches the parent's pid; the kernel's ``PR_SET_PDEATHSIG`` would
+    fire when the parent's *thread* that started this process ends, which may be long before)."""
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
         os._exit(1)
+
+    threading.Thread(target=watch, name="carpool-parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

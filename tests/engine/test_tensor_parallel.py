@@ -7,9 +7,11 @@ engine, and a dead rank fails the step instead of hanging it.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -132,19 +134,43 @@ def test_the_ranks_end_when_rank_0_is_killed(tiny_llama, tmp_path):
 def test_a_failed_start_leaves_no_rank_behind(tiny_llama):
     """The engine refuses a setting after the other rank has started (a context longer than the
     KV pool): that rank is ended, not left waiting for rank 0."""
-    import psutil
-
-    def ranks() -> set[int]:
-        found = set()
-        for child in psutil.Process().children():
-            try:
-                if "replica.worker.tp_worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
-                    found.add(child.pid)
-            except psutil.Error:
-                pass
-        return found
-
-    before = ranks()
+    before = _rank_children()
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2, compile=False, num_blocks=2, max_model_len=1000)
-    assert all(_gone(pid, 30) for pid in ranks() - before)
+    assert all(_gone(pid, 30) for pid in _rank_children() - before)
+
+
+def test_an_engine_outlives_the_thread_that_made_it_and_ends_when_dropped(tiny_llama):
+    """Made in a thread that then ends, the engine still runs (its rank watches the process, not
+    the thread); a second one in the same process is refused before any rank starts; dropped
+    without close(), it takes its rank with it."""
+    settings = dict(model=tiny_llama, dtype="float32", tensor_parallel_size=2, compile=False, num_blocks=32, max_model_len=128)
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(llm=LLM(**settings)))
+    thread.start()
+    thread.join()
+    time.sleep(1.5)  # past the rank's look at its parent
+    [out] = box["llm"].generate(prompt_token_ids=[WORKLOAD[3][0]], sampling_params=SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4
+    before = _rank_children()
+    with pytest.raises(RuntimeError, match="one per process"):
+        LLM(**settings)
+    assert _rank_children() == before
+    [rank] = box["llm"].engine.runner.tp.ranks
+    box.clear()
+    gc.collect()
+    assert _gone(rank.process.pid, 30), "rank 1 outlived its dropped engine"
+
+
+def _rank_children() -> set[int]:
+    """This process's running rank processes (``python -m replica.worker.tp_worker``)."""
+    import psutil
+
+    found = set()
+    for child in psutil.Process().children():
+        try:
+            if "replica.worker.tp_worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.add(child.pid)
+        except psutil.Error:
+            pass
+    return found
