@@ -31,11 +31,7 @@ from replica.engine.llm_engine import LLMEngine
 from replica.engine.metrics import EngineMetrics
 from replica.engine.stats import EngineStats
 from replica.engine.thread_priority import lower_thread_priority
-from replica.protocol.errors import (
-    EngineDeadError,
-    RequestAbortedError,
-    RequestFailedError,
-)
+from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.protocol.outputs import EngineOutput, merge_queued
 from replica.protocol.sampling_params import SamplingParams
 

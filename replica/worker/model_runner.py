@@ -37,28 +37,14 @@ from torch.profiler import record_function
 
 from replica.attention.backend import DecodeStep, to_device
 from replica.attention.cpu import CpuBackend, inline_chunks
-from replica.attention.op import (
-    attach_kv_cache,
-    register_paged_attention,
-    running_step,
-    set_max_model_len,
-)
+from replica.attention.op import attach_kv_cache, register_paged_attention, running_step, set_max_model_len
 from replica.attention.selector import make_backend
 from replica.config.engine_config import cache_dir
 from replica.config.model_files import check_tp_size
 from replica.core.scheduler_output import SchedulerOutput
 from replica.sample.sampler import cpu_inversion
-from replica.worker.compilation import (
-    compile_decoder,
-    mark_step_dynamic,
-    prepack_linears,
-    use_compile_cache,
-)
-from replica.worker.cuda_graphs import (
-    MAX_GRAPH_CONTEXT,
-    DecodeGraphs,
-    graph_memory_reserve,
-)
+from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
+from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.worker.input_batch import InputBatch, ModelInputs
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.worker.kv_sizing import decide_num_blocks
@@ -268,17 +254,16 @@ class ModelRunner:
         """Rank 0: end the other ranks' loops, or with ``kill`` the ranks themselves (when they
         may be inside a collective), and leave the group (idempotent; nothing at TP 1)."""
         tp, self.tp = self.tp, None
-        if self._abandon is not None:
-            self._abandon.detach()
-        if tp is not None and tp.rank == 0:
-            try:
-                if kill:
-                    for handle in tp.ranks:
-                        handle.kill()
-                elif tp.ranks_alive():
-                    tp.broadcast(None)
-            finally:
-                tp.close()
+        if tp is None or self._abandon is None:  # TP 1, closed already, or not rank 0
+            return
+        if kill or not tp.ranks_alive():
+            self._abandon()  # abandon_group, once
+            return
+        self._abandon.detach()
+        try:
+            tp.broadcast(None)
+        finally:
+            tp.close()
 
     def decode_arrays(self, seqs) -> list[np.ndarray]:
         """A decode-like step's attention inputs (:class:`~replica.attention.backend.DecodeStep`), one query

@@ -124,10 +124,7 @@ def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     :func:`install_forwards`. Linear layers keep their global ``in_features``/``out_features``
     (the library's forwards read them); their weights hold the local rows or columns."""
     from torch.distributed.tensor import DTensor
-    from transformers.integrations.tensor_parallel import (
-        ALL_PARALLEL_STYLES,
-        replace_layer_number_by_wildcard,
-    )
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 
     plan = model.tp_plan
     hooked = []

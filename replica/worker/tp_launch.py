@@ -70,7 +70,8 @@ class RankProcess:
 
     def __init__(self, args: tuple) -> None:
         root = str(Path(__file__).resolve().parents[2])  # the folder that holds replica/
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        paths = [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "replica.worker.tp_worker", str(os.getpid())], stdin=subprocess.PIPE, env=env
         )
