@@ -22,7 +22,7 @@ from typing import Any, Optional
 import typer
 from pydantic import ValidationError
 
-from cluster.config import ServeConfig, parse_bytes
+from cluster.config import ServeConfig, format_validation_error, parse_bytes, parse_speculative_config
 from replica.config.engine_config import DTYPE_HELP
 from replica.serve import log_to_stderr
 
@@ -77,18 +77,6 @@ def load_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per bad field: ``engine.max_num_seqs: Input should be greater than or equal to 1 (got 0)``."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        given = err.get("input")
-        shown = "" if isinstance(given, dict) or err["type"] in ("missing", "value_error") else f" (got {given!r})"
-        lines.append(f"  {loc}: {msg}{shown}")
-    return "\n".join(dict.fromkeys(lines))
-
-
 def build_config(file: Path | None, overrides: dict[str, Any], engine_overrides: dict[str, Any]) -> ServeConfig:
     """Defaults < config file < command-line options; raises ``ValueError``/``ValidationError``."""
     data = load_config_file(file) if file is not None else {}
@@ -121,6 +109,7 @@ def serve(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="CUDA: replay decode steps from captured CUDA graphs (default: on with --compile)."),
     async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (vLLM's --async-scheduling; default: on for CUDA, off on CPU)."),
     enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of cached prompt prefixes (default: on)."),
+    speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="Speculative decoding, a JSON object of vLLM's keys: method (ngram: prompt lookup, or draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (draft_model's), adaptive; e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Replaces a --config file's engine.speculative_config (default: off)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
     host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="HTTP port (default: 8000)."),
@@ -153,6 +142,10 @@ def serve(
         body_bytes = parse_bytes(max_request_body_bytes) if max_request_body_bytes is not None else None
     except ValueError as exc:
         _fail(f"max_request_body_bytes: {exc}")
+    try:
+        spec = parse_speculative_config(speculative_config) if speculative_config is not None else None
+    except ValueError as exc:
+        _fail(str(exc))
     if api_key is None and os.environ.get("CARPOOL_API_KEY") == "":
         # click reads an empty variable as unset: say so rather than serve without a key.
         _fail("CARPOOL_API_KEY is set but empty: give it a key, or unset it to serve without one")
@@ -162,7 +155,7 @@ def serve(
         "kv_cache_memory": kv_bytes, "num_blocks": num_blocks, "max_model_len": max_model_len,
         "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
         "attention_backend": attention_backend, "compile": compile, "enable_prefix_caching": enable_prefix_caching,
-        "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling,
+        "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling, "speculative_config": spec,
     }
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,

@@ -6,7 +6,8 @@ cluster and HTTP settings of ``carpool serve``.
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -20,9 +21,13 @@ from pydantic import (
 )
 
 from replica.config.engine_config import DEFAULT_MODEL, EngineConfig
+from replica.config.speculative_config import SpeculativeConfig
 from router.config import IngressConfig
 
-__all__ = ["DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "parse_bytes"]
+__all__ = [
+    "DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "format_validation_error", "parse_bytes",
+    "parse_speculative_config", "speculative_config_from_json",
+]
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
@@ -37,6 +42,49 @@ def parse_bytes(text: str) -> int:
         return int(_BYTE_SIZE.validate_python(text))
     except ValidationError:
         raise ValueError(f"not a size: {text!r} (examples: 1073741824, 1GiB, 512MiB, 2GB)") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per bad field: ``engine.max_num_seqs: Input should be greater than or equal to 1 (got 0)``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        given = err.get("input")
+        shown = "" if isinstance(given, dict) or err["type"] in ("missing", "value_error") else f" (got {given!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(dict.fromkeys(lines))
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """The JSON object of ``--speculative-config`` (vLLM's flag), e.g.
+    ``'{"method": "ngram", "num_speculative_tokens": 4}'``, as a dict; its keys are checked where
+    it is used (``EngineConfig.speculative_config``).
+
+    Raises ``ValueError`` when ``text`` is not JSON or not a JSON object.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            "--speculative-config must be a JSON object of speculative decoding settings "
+            f"(keys: {', '.join(SpeculativeConfig.model_fields)}), got {type(data).__name__}: {text!r}"
+        )
+    return data
+
+
+def speculative_config_from_json(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object, validated: every key with its value or default.
+
+    Raises ``ValueError`` naming the problem (bad JSON, not an object, or one line per bad key:
+    ``num_speculative_tokens: Input should be less than or equal to 16 (got 99)``).
+    """
+    try:
+        return SpeculativeConfig(**parse_speculative_config(text)).model_dump()
+    except ValidationError as exc:
+        raise ValueError("invalid --speculative-config:\n" + format_validation_error(exc)) from None
 
 
 class AutoscalingSettings(BaseModel):

@@ -71,6 +71,26 @@ PANELS = [
     ("KV blocks free", "Free KV blocks per replica (of the pool's total).", "short",
      [("{{replica}} free", f"carpool:kv_cache_blocks_free{{{SEL}}}"),
       ("{{replica}} total", f"carpool:kv_cache_blocks_total{{{SEL}}}")], "timeseries"),
+    ("Speculative decoding: acceptance rate",
+     "Accepted draft tokens / draft tokens verified, over the rate window (vLLM's draft acceptance rate). "
+     "Empty (NaN) while nothing is drafted.", "percentunit",
+     [("{{replica}}", f"sum by (replica) (rate(carpool:spec_decode_num_accepted_tokens_total{{{SEL}}}[{RATE}])) / "
+                      f"sum by (replica) (rate(carpool:spec_decode_num_draft_tokens_total{{{SEL}}}[{RATE}]))"),
+      ("all replicas", f"sum(rate(carpool:spec_decode_num_accepted_tokens_total{{{SEL}}}[{RATE}])) / "
+                       f"sum(rate(carpool:spec_decode_num_draft_tokens_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("Speculative decoding: mean acceptance length",
+     "Tokens a verified row emits per step: 1 + accepted draft tokens / rows verified with drafts "
+     "(vLLM's mean acceptance length; 1 = no draft kept).", "short",
+     [("{{replica}}", f"1 + sum by (replica) (rate(carpool:spec_decode_num_accepted_tokens_total{{{SEL}}}[{RATE}])) / "
+                      f"sum by (replica) (rate(carpool:spec_decode_num_drafts_total{{{SEL}}}[{RATE}]))"),
+      ("all replicas", f"1 + sum(rate(carpool:spec_decode_num_accepted_tokens_total{{{SEL}}}[{RATE}])) / "
+                       f"sum(rate(carpool:spec_decode_num_drafts_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    ("Speculative decoding: accepted tokens per position",
+     "Accepted draft tokens per second by draft position (0 = first draft token). "
+     "Before any draft, one line at 0.", "short",
+     [("position {{position}}",
+       f"sum by (position) (rate(carpool:spec_decode_num_accepted_tokens_per_pos_total{{{SEL}}}[{RATE}])) "
+       f"or on() (0 * sum(rate(carpool:spec_decode_num_drafts_total{{{SEL}}}[{RATE}])))")], "timeseries"),
 ]
 
 

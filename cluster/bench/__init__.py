@@ -13,9 +13,12 @@
   profiler), by phase and by operator.
 * :data:`bench_app`: the typer group to attach to the ``carpool`` command.
 
-Modules: ``workloads`` (what is run), ``runner`` (running it on the engine, step accounting, seat
-recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline`` (the command),
-``prefix`` and ``prefix_workloads`` (prefix caching on vs off), ``serve`` (the load generator), ``overhead`` (in-process vs served), ``profile`` (a step's time).
+Modules: ``workloads`` (what is run), ``input_grounded`` (the ``input-grounded`` workload: answers
+that repeat or edit the prompt, for speculative decoding), ``runner`` (running it on the engine,
+step accounting, seat recording), ``baselines`` (transformers), ``plots`` (matplotlib), ``offline``
+(the command), ``prefix`` and ``prefix_workloads`` (prefix caching on vs off), ``serve`` (the load
+generator) and ``serve_report`` (its summary and table), ``spec_decode`` (speculative decoding's
+acceptance, offline and served), ``overhead`` (in-process vs served), ``profile`` (a step's time).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def _group() -> None:
 def offline(
     workload: str = typer.Option(
         "seed-mix", "--workload", "-w",
-        help="seed-example (the article's A-E on 4 seats), seed-mix (half 20, half 200 tokens), sweep (exponential lengths capped at --caps), or a JSONL file of {prompt, max_tokens}.",
+        help="seed-example (the article's A-E on 4 seats), seed-mix (half 20, half 200 tokens), sweep (exponential lengths capped at --caps), input-grounded (the answer repeats or edits a paragraph or function in the prompt; 128-200 tokens), or a JSONL file of {prompt, max_tokens}.",
     ),
     model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -44,12 +44,12 @@ def offline(
     kv_cache_memory: Optional[str] = typer.Option(
         None, help="KV cache budget, bytes or with a unit (1GiB, 512MiB) (default: 1 GiB on CPU; on CUDA most of the free memory, which leaves none for --compare transformers)."
     ),
-    num_requests: int = typer.Option(100, min=1, help="seed-mix and sweep: number of requests."),
+    num_requests: int = typer.Option(100, min=1, help="seed-mix, sweep and input-grounded: number of requests."),
     short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
     long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
     mean_tokens: float = typer.Option(64.0, min=1.0, help="sweep: mean of the exponential output length."),
     caps: str = typer.Option("32,128,512", help="sweep: comma-separated caps on the output length."),
-    seed: int = typer.Option(0, help="sweep: seed of the length draw."),
+    seed: int = typer.Option(0, help="sweep: seed of the length draw; input-grounded: of the prompts and lengths."),
     compare: List[str] = typer.Option([], help="Also run 'transformers' (static generate, and its continuous batching when available) or 'transformers-static' (generate only); ratios to Carpool."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNGs PATH-occupancy.png and PATH-latency.png (sweep: PATH-sweep.png)."),
@@ -63,6 +63,7 @@ def offline(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bars on stderr."),
     prompt_logprobs_requests: int = typer.Option(0, min=0, help="The first N requests also score their prompt (prompt_logprobs=1); not with sweep."),
     constrained_requests: int = typer.Option(0, min=0, help="The last N requests are JSON-constrained (a schema they never complete: same lengths); not with sweep."),
+    speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="Speculative decoding, a JSON object of vLLM's keys (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, adaptive), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; the results report its acceptance (default: off)."),
 ) -> None:
     """Run a workload through the engine under continuous and static batching; print a table."""
     from cluster.bench.offline import offline_main
@@ -77,6 +78,7 @@ def offline(
         kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
     except ValueError as exc:
         _fail(f"--kv-cache-memory: {exc}")
+    spec = _speculative_config(speculative_config)
     try:
         offline_main(
             workload, model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
@@ -85,7 +87,7 @@ def offline(
             plot_path=plot, threads=threads, chat_template=chat_template, progress=progress,
             attention_backend=attention_backend, compile=compile, prompt_logprobs_requests=prompt_logprobs_requests,
             constrained_requests=constrained_requests, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, speculative_config=spec,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -146,8 +148,8 @@ def serve(
     model: Optional[str] = typer.Option(None, help="Model name (default: the first id of GET /v1/models)."),
     num_prompts: int = typer.Option(100, "--num-prompts", "-n", min=1, help="Number of requests."),
     request_rate: float = typer.Option(float("inf"), "--request-rate", help="Requests/s, Poisson arrivals (exponential gaps); inf: all at once."),
-    seed: int = typer.Option(0, help="Seed of the inter-arrival gaps."),
-    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix (half --short, half --long output tokens), multi-turn (conversations whose every turn resends the chat so far) or a JSONL file of {prompt, max_tokens}."),
+    seed: int = typer.Option(0, help="Seed of the inter-arrival gaps (and of input-grounded's prompts)."),
+    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix (half --short, half --long output tokens), input-grounded (the answer repeats or edits a paragraph or function in the prompt; 128-200 tokens), multi-turn (conversations whose every turn resends the chat so far) or a JSONL file of {prompt, max_tokens}."),
     short: int = typer.Option(20, min=1, help="seed-mix: output tokens of the short half."),
     long: int = typer.Option(200, min=1, help="seed-mix: output tokens of the long half."),
     max_tokens: Optional[int] = typer.Option(None, min=1, help="Output tokens of every request (overrides the workload's; multi-turn: default 32)."),
@@ -163,7 +165,8 @@ def serve(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar on stderr."),
 ) -> None:
-    """Load a running server with streaming chat requests; print throughput, TTFT, ITL, e2e latency (ms), prefix cache hit rate."""
+    """Load a running server with streaming chat requests; print throughput, TTFT, ITL, e2e latency (ms), prefix cache hit rate
+    and, when the server speculates, the drafts' acceptance."""
     from cluster.bench.serve import serve_main
 
     try:
@@ -211,7 +214,8 @@ def profile(
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
     max_num_seqs: int = typer.Option(4, "--max-num-seqs", "--seats", min=1, help="Seats."),
-    num_requests: int = typer.Option(100, min=1, help="Requests of the seed mix."),
+    workload: str = typer.Option("seed-mix", "--workload", "-w", help="seed-mix or input-grounded (the answer repeats or edits a paragraph or function in the prompt)."),
+    num_requests: int = typer.Option(100, min=1, help="Requests of the workload."),
     skip: int = typer.Option(20, min=0, help="Steps run before profiling."),
     steps: int = typer.Option(20, min=1, help="Steps profiled."),
     threads: Optional[int] = typer.Option(None, min=1, help="torch threads (default: torch's choice)."),
@@ -223,17 +227,63 @@ def profile(
     top: int = typer.Option(8, min=1, help="Operators listed."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     constrained_requests: int = typer.Option(0, min=0, help="The first N requests are JSON-constrained (same lengths)."),
+    speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="Speculative decoding, a JSON object of vLLM's keys (method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, adaptive), e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; the results report its acceptance (default: off)."),
 ) -> None:
     """Where a step's time goes: milliseconds per step by phase and by operator (torch profiler)."""
     from cluster.bench.profile import profile_main
 
+    spec = _speculative_config(speculative_config)
     try:
         profile_main(
             model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, num_requests=num_requests, skip=skip,
             steps=steps, threads=threads, attention_backend=attention_backend, compile=compile, top=top,
             json_path=json_path, constrained_requests=constrained_requests, cuda_graphs=cuda_graphs,
-            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+            async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size, workload=workload,
+            speculative_config=spec,
         )
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+@bench_app.command("spec")
+def spec(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    seats: str = typer.Option("1,4", help="Comma-separated seat counts (max_num_seqs), one pair of engines each."),
+    workloads: str = typer.Option("input-grounded,seed-mix", help="Comma-separated: input-grounded, seed-mix."),
+    num_requests: int = typer.Option(8, min=1, help="Requests per workload and seat count (at least twice the seats)."),
+    threads: int = typer.Option(1, min=1, help="torch threads."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
+    speculative_config: str = typer.Option('{"method": "ngram", "num_speculative_tokens": 4}', "--speculative-config", help="The speculative config compared with none (JSON of vLLM's keys)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Speculative decoding against the same engine without it: tok/s, ITL, acceptance, step cost by rows."""
+    from cluster.bench.spec_bench import WORKLOADS, spec_main
+
+    names = [w.strip() for w in workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        _fail(f"unknown workload(s) {unknown}; choose from {sorted(WORKLOADS)}")
+    try:
+        seat_counts = [int(s) for s in seats.split(",")]
+    except ValueError:
+        _fail(f"--seats must be comma-separated integers, got {seats!r}")
+    spec_main(
+        model=model, dtype=dtype, seats=seat_counts, workloads=names, num_requests=num_requests, threads=threads,
+        speculative_config=_speculative_config(speculative_config), compile=compile, json_path=json_path, device=device,
+    )
+
+
+def _speculative_config(text: str | None) -> dict | None:
+    """``--speculative-config``'s JSON, validated (every key), or None; a bad one ends the command
+    with the problem named (exit status 2)."""
+    if text is None:
+        return None
+    from cluster.config import speculative_config_from_json
+
+    try:
+        return speculative_config_from_json(text)
     except ValueError as exc:
         _fail(str(exc))
 

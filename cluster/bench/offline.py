@@ -15,7 +15,11 @@ JSON (``json_path``), one object per run under ``results``::
      "speedup": <continuous tok/s ÷ static tok/s>,
      "step_speedup": <static num_steps ÷ continuous num_steps>}
 
-``vs_carpool`` is a run's tok/s ÷ Carpool continuous's. The sweep workload has ``points`` (one
+``vs_carpool`` is a run's tok/s ÷ Carpool continuous's. With ``speculative_config`` the summary
+also has ``speculative_config`` (every key) and ``spec_decode`` (the engine's counters since start,
+warm-ups and both policies together: ``num_drafts, num_draft_tokens, num_accepted_tokens,
+accepted_per_position, acceptance_rate, mean_acceptance_length``), and each Carpool run its own
+``spec_decode`` (its counters alone; see :mod:`cluster.bench.spec_decode`). The sweep workload has ``points`` (one
 per cap, each with its own ``results`` and ``speedup``) and ``speedup`` as ``{cap: speedup}``; the
 seed example adds ``article_finish_steps`` and ``matches_article``.
 """
@@ -29,7 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TextIO
 
+from cluster.bench import spec_decode as sd
 from cluster.bench import workloads as wl
+from cluster.bench.input_grounded import input_grounded
 from cluster.bench.runner import RunResult, bench_engine_kwargs, run_policy, warm_up
 
 POLICIES = ("continuous", "static")
@@ -67,17 +73,21 @@ def offline_main(
     cuda_graphs: bool = True,
     async_scheduling: bool | None = None,
     tensor_parallel_size: int = 1,
+    speculative_config: dict | None = None,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
     Args:
-        workload: ``seed-example``, ``seed-mix``, ``sweep``, or the path of a JSONL file of
-            ``{"prompt", "max_tokens"}`` objects.
+        workload: ``seed-example``, ``seed-mix``, ``sweep``, ``input-grounded``, or the path of a
+            JSONL file of ``{"prompt", "max_tokens"}`` objects.
         model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
-            attention_backend, compile, cuda_graphs, async_scheduling, tensor_parallel_size: the engine's settings (``EngineConfig``); ``model=None``
-            is the default model.
-        num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's size).
-        mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed.
+            attention_backend, compile, cuda_graphs, async_scheduling, tensor_parallel_size,
+            speculative_config: the engine's settings (``EngineConfig``); ``model=None`` is the
+            default model, ``speculative_config`` a dict of its keys (None: no speculation).
+        num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's
+            and input-grounded's size).
+        mean_tokens, caps, seed: the sweep's exponential mean, its caps, and the draw's seed
+            (also input-grounded's).
         compare: ``["transformers"]`` adds transformers' static ``generate`` and its continuous
             batching (when the installed version has it), each reported as a ratio to Carpool;
             ``["transformers-static"]`` adds the former only.
@@ -105,6 +115,8 @@ def offline_main(
             print(f"note: the article's example has {wl.SEED_EXAMPLE_SEATS} seats; running it on {max_num_seqs}", file=out)
     elif workload == "seed-mix":
         requests = wl.seed_mix(num_requests, short, long)
+    elif workload == "input-grounded":
+        requests = input_grounded(num_requests, seed)
     elif workload == "sweep":
         requests = None
         caps = sorted(int(c) for c in caps)
@@ -123,6 +135,7 @@ def offline_main(
         model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+        speculative_config=speculative_config,
     )
     llm = LLM(**engine_kwargs)
     hf_model = None
@@ -143,6 +156,8 @@ def offline_main(
         "async_scheduling": llm.engine.async_scheduling,  # of the continuous run; static is synchronous
         "cuda_graphs": llm.engine.runner.use_cuda_graphs,
     }
+    if speculative_config is not None:
+        summary["speculative_config"] = llm.engine.config.speculative_config.model_dump()
     run = dict(llm=llm, hf_model=hf_model, hf_continuous="transformers" in compare, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, progress=progress)
     if workload == "sweep":
         points = []
@@ -200,6 +215,8 @@ def offline_main(
             name = workload if workload in wl.BUILTIN_WORKLOADS else Path(workload).name
             what = f"{name}, {len(requests)} requests, {max_num_seqs} seats"
             summary["plots"] = [str(p) for p in write_run_plots(results, plot_path, what)]
+    if speculative_config is not None:
+        summary["spec_decode"] = sd.engine_counters(llm.engine)
     if summary.get("plots"):
         print("plots: " + ", ".join(summary["plots"]), file=out)
     if json_path:
@@ -214,7 +231,11 @@ def offline_main(
 def _run_all(requests, *, llm, hf_model, hf_continuous, max_num_seqs, max_num_batched_tokens, progress) -> list[RunResult]:
     """Both Carpool policies, then the transformers baselines if a model was loaded for them."""
     warm_up(llm, requests[0].prompt_token_ids, max_num_seqs)
-    results = [run_policy(llm, requests, policy, progress=progress) for policy in POLICIES]
+    results = []
+    for policy in POLICIES:
+        before = sd.engine_counters(llm.engine)
+        results.append(run_policy(llm, requests, policy, progress=progress))
+        results[-1].spec_decode = sd.counters_delta(before, sd.engine_counters(llm.engine))
     if hf_model is not None:
         from cluster.bench import baselines
 
@@ -271,6 +292,9 @@ def _print_table(results: list[RunResult], summary: dict, out: TextIO) -> None:
         f"(in steps: {summary['step_speedup']:.2f}x, the ratio if every step took equally long)",
         file=out,
     )
+    for r in results:
+        if r.spec_decode is not None:
+            print(sd.format_spec_decode(r.spec_decode, f"spec decode, {r.policy}"), file=out)
 
 
 def _print_seed_example(results: list[RunResult], matches: bool, out: TextIO) -> None:

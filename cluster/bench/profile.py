@@ -1,11 +1,12 @@
 """``carpool bench profile``: where a step's time goes, from a torch profile of real steps.
 
-The seed mix runs in the engine; after ``skip`` steps (so that the batch is in the state to look
-at: prefills done, ``running`` requests decoding), ``steps`` steps run under
-``torch.profiler``. The table gives milliseconds per step for each phase of a step (the engine's
-``carpool.*`` ``record_function`` ranges: schedule, prepare_inputs, forward, sample, update,
-detokenize) and for the operators that take the most time (self time), which is how the numbers
-in ``docs/bench/cpu-speed.md`` were taken.
+The seed mix (or ``input-grounded``, :mod:`cluster.bench.input_grounded`) runs in the engine;
+after ``skip`` steps (so that the batch is in the state to look at: prefills done, ``running``
+requests decoding), ``steps`` steps run under ``torch.profiler``. The table gives milliseconds per step for each phase of a step (the engine's
+``carpool.*`` ``record_function`` ranges: schedule, propose_drafts, prepare_inputs, forward, sample,
+verify_drafts, update, detokenize) and for the operators that take the most time (self time), which is how the numbers
+in ``docs/bench/cpu-speed.md`` were taken. With ``speculative_config`` the result also has
+``spec_decode``: the engine's acceptance counters over the whole run (:mod:`cluster.bench.spec_decode`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import json
 import time
 from pathlib import Path
 
+from cluster.bench import spec_decode as sd
 from cluster.bench import workloads as wl
+from cluster.bench.input_grounded import input_grounded
 
-PHASES = ("carpool.schedule", "carpool.prepare_inputs", "carpool.step_message", "carpool.forward", "carpool.sample",
-          "carpool.grammar_masks", "carpool.update", "carpool.detokenize")
+PHASES = ("carpool.schedule", "carpool.propose_drafts", "carpool.prepare_inputs", "carpool.step_message", "carpool.forward",
+          "carpool.sample", "carpool.verify_drafts", "carpool.grammar_masks", "carpool.update", "carpool.detokenize")
 
 
 def profile_main(
@@ -38,6 +41,8 @@ def profile_main(
     cuda_graphs: bool = True,
     async_scheduling: bool | None = None,
     tensor_parallel_size: int = 1,
+    workload: str = "seed-mix",
+    speculative_config: dict | None = None,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
@@ -46,8 +51,13 @@ def profile_main(
     :data:`~cluster.bench.workloads.ENDLESS_JSON` (same lengths); ``grammar_masks`` (part of
     ``sample``) is then their masks' cost.
 
-    Raises ``ValueError`` if the workload ends before ``skip + steps`` steps.
+    ``workload``: ``seed-mix`` or ``input-grounded`` (``num_requests`` of either);
+    ``speculative_config``: the engine's (a dict of its keys; None: no speculation).
+
+    Raises ``ValueError`` for another workload, or if it ends before ``skip + steps`` steps.
     """
+    if workload not in ("seed-mix", "input-grounded"):
+        raise ValueError(f"workload must be seed-mix or input-grounded, got {workload!r}")
     import torch
 
     from replica import LLM, SamplingParams
@@ -57,10 +67,11 @@ def profile_main(
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend,
         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+        **({"speculative_config": speculative_config} if speculative_config is not None else {}),
     )
     llm = LLM(**({"model": model} if model else {}), **kwargs)
     engine = llm.engine
-    requests = wl.seed_mix(num_requests)
+    requests = wl.seed_mix(num_requests) if workload == "seed-mix" else input_grounded(num_requests)
     wl.tokenize(requests, llm.tokenizer)
     for i, r in enumerate(requests):
         constraint = {"json": wl.ENDLESS_JSON} if i < constrained_requests else None
@@ -91,10 +102,12 @@ def profile_main(
             phases[e.name] = phases.get(e.name, 0.0) + e.cpu_time_total / 1e3 / steps
     ops = sorted((e for e in events if not e.key.startswith("carpool.")), key=lambda e: -e.self_cpu_time_total)
     result = {
-        "model": engine.config.model, "max_num_seqs": max_num_seqs, "running": running, "steps": steps,
+        "model": engine.config.model, "workload": workload, "max_num_seqs": max_num_seqs, "running": running, "steps": steps,
         "ms_per_step_profiled": wall_ms, "phases_ms": phases,
         "top_ops_self_ms": {e.key: e.self_cpu_time_total / 1e3 / steps for e in ops[:top]},
     }
+    if speculative_config is not None:
+        result["spec_decode"] = sd.engine_counters(engine)
     print(f"{running} requests running; {wall_ms:.2f} ms per step under the profiler")
     if on_cuda:  # kernel time: when it is far below the step's wall time, the host is the bound
         kernels = sorted(
@@ -110,6 +123,8 @@ def profile_main(
     print("  top operators (self time):")
     for key, ms in result["top_ops_self_ms"].items():
         print(f"    {key[:48]:<50}{ms:9.2f} ms")
+    if result.get("spec_decode"):
+        print(sd.format_spec_decode(result["spec_decode"]))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2))
     llm.close()  # a tensor-parallel engine's other ranks

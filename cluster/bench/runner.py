@@ -59,6 +59,7 @@ class RunResult:
     occupancy: list[Segment] = field(default_factory=list)
     num_seats: int | None = None
     vs_carpool: float | None = None  # output_tokens_per_s ÷ Carpool continuous's
+    spec_decode: dict | None = None  # speculative decoding: this run's counters (cluster/bench/spec_decode.py)
 
     @classmethod
     def from_requests(
@@ -238,10 +239,11 @@ def warm_up(llm, prompt_token_ids: list[int], num_seqs: int, max_tokens: int = 4
 def bench_engine_kwargs(
     *, model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory, attention_backend, compile, threads,
     cuda_graphs: bool = True, async_scheduling: bool | None = None, tensor_parallel_size: int = 1,
+    speculative_config: dict | None = None,
 ) -> dict:
-    """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``
-    and ``kv_cache_memory`` (bytes) left to the defaults when None); sets torch's thread count
-    when ``threads`` is given."""
+    """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``,
+    ``kv_cache_memory`` (bytes) and ``speculative_config`` (a dict of its keys) left to the defaults
+    when None); sets torch's thread count when ``threads`` is given."""
     if threads:
         import torch
 
@@ -255,4 +257,6 @@ def bench_engine_kwargs(
         kwargs["model"] = model
     if kv_cache_memory:
         kwargs["kv_cache_memory"] = kv_cache_memory
+    if speculative_config is not None:
+        kwargs["speculative_config"] = speculative_config
     return kwargs

@@ -21,7 +21,10 @@ The ``multi-turn`` workload sends conversations instead (:mod:`cluster.bench.ser
 turn resends the chat so far with the real replies, the next turn goes when the previous one has
 ended, and the conversations run concurrently. With every workload the bench scrapes the server's
 ``/metrics`` before and after the run and reports the prefix cache's hit rate over the run, with
-the best rate the sent prompts allow.
+the best rate the sent prompts allow, and, when the server speculates (its ``/metrics`` has the
+``carpool:spec_decode_*`` counters), the drafts' acceptance rate and mean acceptance length over
+the run (:mod:`cluster.bench.spec_decode`). The summary and the table are built by
+:mod:`cluster.bench.serve_report`.
 """
 
 from __future__ import annotations
@@ -30,16 +33,14 @@ import asyncio
 import json
 import math
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.bench import spec_decode as sd
 from cluster.bench import workloads
-
-MAX_ERROR_MESSAGES = 5
-PERCENTILES = (50, 90, 99)
-
+from cluster.bench.input_grounded import input_grounded
+from cluster.bench.serve_report import format_table, summarize
 
 @dataclass
 class RequestResult:
@@ -58,12 +59,14 @@ class RequestResult:
 
 
 def bench_prompts(
-    workload: str = "seed-mix", num_prompts: int = 100, *, short: int = 20, long: int = 200, max_tokens: int | None = None
+    workload: str = "seed-mix", num_prompts: int = 100, *, short: int = 20, long: int = 200, max_tokens: int | None = None,
+    seed: int = 0,
 ) -> list[tuple[str, int]]:
     """``num_prompts`` (prompt, max_tokens) pairs.
 
     ``seed-mix``: even indices ``short`` output tokens, odd ones ``long`` (the offline bench's mix).
-    Otherwise ``workload`` is a JSONL file of ``{"prompt": str, "max_tokens": int}`` (see
+    ``input-grounded``: prompts whose answer repeats or edits a document they hold
+    (:mod:`cluster.bench.input_grounded`, drawn from ``seed``). Otherwise ``workload`` is a JSONL file of ``{"prompt": str, "max_tokens": int}`` (see
     :func:`cluster.bench.workloads.read_jsonl`; text prompts only), cycled or cut to ``num_prompts``.
     ``max_tokens``, when given, replaces every request's output length. Raises ``ValueError``.
     """
@@ -71,13 +74,15 @@ def bench_prompts(
         raise ValueError(f"--num-prompts must be at least 1, got {num_prompts}")
     if workload == "seed-mix":
         requests = workloads.seed_mix(num_prompts, short, long)
+    elif workload == "input-grounded":
+        requests = input_grounded(num_prompts, seed)
     elif Path(workload).is_file():
         requests = workloads.read_jsonl(workload)
         if any(r.prompt is None for r in requests):
             raise ValueError(f"{workload}: bench serve sends chat messages; prompts must be text, not token ids")
         requests = [requests[i % len(requests)] for i in range(num_prompts)]
     else:
-        raise ValueError(f"--workload must be seed-mix, multi-turn or a JSONL file, got {workload!r}")
+        raise ValueError(f"--workload must be seed-mix, input-grounded, multi-turn or a JSONL file, got {workload!r}")
     if max_tokens is not None:
         if max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -102,22 +107,6 @@ def arrival_offsets(num_prompts: int, request_rate: float, seed: int = 0) -> lis
             t += rng.expovariate(request_rate)
         offsets.append(t)
     return offsets
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation (numpy's default)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def summarize_ms(values_s: list[float]) -> dict:
-    """``{"mean", "p50", "p90", "p99"}`` in milliseconds of values in seconds (None when empty)."""
-    if not values_s:
-        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
-    ms = [v * 1000 for v in values_s]
-    return {"mean": statistics.fmean(ms), **{f"p{q}": percentile(ms, q) for q in PERCENTILES}}
 
 
 async def _one_request(client, model: str, index: int, prompt: str | list[dict], max_tokens: int, result: RequestResult) -> str:
@@ -180,7 +169,8 @@ async def run_serve_bench_async(
     reply ended; ``num_prompts`` is not used. It needs
     the model's tokenizer (``tokenizer``; default the ``root`` model of ``GET /v1/models``) to size
     the opening passages (``first_turn_len`` tokens). Every workload scrapes ``metrics_url``
-    (default ``/metrics`` next to ``/v1``) before and after for the prefix cache's hit rate.
+    (default ``/metrics`` next to ``/v1``) before and after for the prefix cache's hit rate and
+    speculative decoding's acceptance. ``seed`` also draws input-grounded's prompts.
     """
     import openai
 
@@ -198,7 +188,7 @@ async def run_serve_bench_async(
         prompts = [(None, max_tokens or 32)] * (conversations * turns)
         offsets = arrival_offsets(conversations, request_rate, seed)
     else:
-        prompts = bench_prompts(workload, num_prompts, short=short, long=long, max_tokens=max_tokens)
+        prompts = bench_prompts(workload, num_prompts, short=short, long=long, max_tokens=max_tokens, seed=seed)
         offsets = arrival_offsets(len(prompts), request_rate, seed)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {max_concurrency}")
@@ -236,7 +226,7 @@ async def run_serve_bench_async(
 
             bar = tqdm(total=len(prompts), desc="bench serve", unit="req")
         semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        counters_before = await sp.read_prefix_cache_counters(metrics_url, api_key)
+        metrics_before = await sp.scrape_metrics(metrics_url, api_key)
         start = time.perf_counter()
 
         async def send(result: RequestResult, prompt, n: int) -> tuple[bool, str]:
@@ -278,10 +268,12 @@ async def run_serve_bench_async(
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - start
-        counters_after = await sp.read_prefix_cache_counters(metrics_url, api_key)
+        metrics_after = await sp.scrape_metrics(metrics_url, api_key)
     if bar is not None:
         bar.close()
-    prefix_cache = sp.counter_deltas(counters_before, counters_after)
+    scraped = [None if m is None else sp.parse_prefix_cache_counters(m) for m in (metrics_before, metrics_after)]
+    prefix_cache = sp.counter_deltas(*scraped)
+    spec_decode = sd.served_deltas(metrics_before, metrics_after)
     if prefix_cache is not None or multi_turn:
         if tok is None:  # the other workloads load it only when the server reports a hit rate
             try:
@@ -294,98 +286,13 @@ async def run_serve_bench_async(
         prefix_cache["metrics_url"] = metrics_url
     extra = {"conversations": conversations, "turns": turns, "first_turn_len": first_turn_len, "think_time_s": think_time} if multi_turn else {}
     return summarize(results, duration, url=url, model=model, request_rate=request_rate, workload=workload,
-                     seed=seed, max_concurrency=max_concurrency, timeout=timeout, prefix_cache=prefix_cache, **extra)
+                     seed=seed, max_concurrency=max_concurrency, timeout=timeout, prefix_cache=prefix_cache,
+                     spec_decode=spec_decode, **extra)
 
 
 def run_serve_bench(url: str, **kwargs) -> dict:
     """Synchronous :func:`run_serve_bench_async` (runs its own event loop)."""
     return asyncio.run(run_serve_bench_async(url, **kwargs))
-
-
-def summarize(results: list[RequestResult], duration_s: float, **settings) -> dict:
-    """The results dict: settings, counts, throughput, latency summaries (ms), errors, per request.
-
-    Fields: ``url, model, num_prompts, request_rate`` (requests/s; ``"inf"`` for all at once),
-    ``workload, seed, max_concurrency, timeout_s, duration_s, completed, errors, error_messages``
-    (the first few), ``requested_output_tokens`` (sum of max_tokens), ``output_tokens`` (sum of
-    usage over completed requests), ``requests_per_s, output_tokens_per_s, ttft_ms, itl_ms, e2e_ms``
-    (each ``{mean, p50, p90, p99}``), ``prefix_cache`` and ``requests`` (per request: index,
-    max_tokens, ok, output_tokens, ttft_ms, e2e_ms, error; multi-turn adds conversation and turn).
-    ``prefix_cache``: None when the server's ``/metrics`` has no prefix cache counters, else the
-    run's ``queries`` and ``hits`` (tokens, summed over replicas), ``hit_rate``, ``replicas`` (the
-    same per replica), ``best`` (``{queries, hits, hit_rate}`` of one unbounded cache over the sent
-    prompts, None without a tokenizer) and ``metrics_url``. Multi-turn adds ``conversations``,
-    ``turns``, ``first_turn_len`` and ``think_time_s``.
-    """
-    ok = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
-    output_tokens = sum(r.output_tokens for r in ok)
-    rate = settings.pop("request_rate")
-    timeout = settings.pop("timeout")
-    multi_turn = {k: settings[k] for k in ("conversations", "turns", "first_turn_len", "think_time_s") if k in settings}
-    return {
-        "url": settings["url"],
-        "model": settings["model"],
-        "num_prompts": len(results),
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "workload": settings["workload"],
-        "seed": settings["seed"],
-        "max_concurrency": settings["max_concurrency"],
-        "timeout_s": timeout,
-        "duration_s": duration_s,
-        "completed": len(ok),
-        "errors": len(failed),
-        "error_messages": [f"request {r.index}: {r.error or 'not run'}" for r in failed[:MAX_ERROR_MESSAGES]],
-        "requested_output_tokens": sum(r.max_tokens for r in results),
-        "output_tokens": output_tokens,
-        "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
-        "output_tokens_per_s": output_tokens / duration_s if duration_s > 0 else 0.0,
-        "ttft_ms": summarize_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_ms": summarize_ms([gap for r in ok for gap in r.itl_s]),
-        "e2e_ms": summarize_ms([r.e2e_s for r in ok]),
-        **multi_turn,
-        "prefix_cache": settings.get("prefix_cache"),
-        "requests": [
-            {
-                "index": r.index, "max_tokens": r.max_tokens, "ok": r.ok, "output_tokens": r.output_tokens,
-                "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
-                "e2e_ms": None if r.e2e_s is None else r.e2e_s * 1000,
-                "error": r.error,
-                **({"conversation": r.conversation, "turn": r.turn} if r.conversation is not None else {}),
-            }
-            for r in results
-        ],
-    }
-
-
-def format_table(summary: dict) -> str:
-    """The results as a plain-text table (the stdout of ``carpool bench serve``)."""
-    def num(v, fmt="{:.1f}"):
-        return "-" if v is None else fmt.format(v)
-
-    lines = [
-        f"model: {summary['model']}  url: {summary['url']}",
-        f"requests: {summary['num_prompts']}"
-        + (f" ({summary['conversations']} conversations x {summary['turns']} turns, think time {summary['think_time_s']} s)"
-           if "turns" in summary else "")
-        + f"  rate: {summary['request_rate']} req/s  "
-        f"max concurrency: {summary['max_concurrency'] or '-'}  workload: {summary['workload']}",
-        f"completed: {summary['completed']}  errors: {summary['errors']}  duration: {summary['duration_s']:.2f} s",
-        f"output tokens: {summary['output_tokens']} (requested {summary['requested_output_tokens']})",
-        f"throughput: {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s",
-        "",
-        f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
-    ]
-    for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("e2e", "e2e_ms")):
-        s = summary[key]
-        lines.append(f"{name:<12}" + "".join(f"{num(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
-    if summary.get("prefix_cache") is not None:
-        from cluster.bench.serve_prefix import format_prefix_cache
-
-        lines += ["", *format_prefix_cache(summary["prefix_cache"])]
-    if summary["error_messages"]:
-        lines += ["", "first errors:"] + [f"  {m}" for m in summary["error_messages"]]
-    return "\n".join(lines)
 
 
 def serve_main(url: str, *, json_path: str | Path | None = None, **kwargs) -> dict:

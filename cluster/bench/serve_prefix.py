@@ -5,6 +5,7 @@ read from the server's ``/metrics``, and the best hit rate the workload allows.
   (:mod:`cluster.bench.prefix_workloads`) as streamed chat completions: each turn sends the whole
   chat so far, the real assistant replies included, plus a follow-up question; the next turn is
   sent when the previous one has ended (plus a think time). Conversations run concurrently.
+* :func:`scrape_metrics`: the text of one scrape of ``/metrics``.
 * :func:`read_prefix_cache_counters`: ``carpool:prefix_cache_queries_total`` and
   ``carpool:prefix_cache_hits_total`` per replica, from one scrape of ``/metrics``; the bench
   scrapes before and after the run and reports the deltas (:func:`counter_deltas`), so the hit
@@ -65,8 +66,8 @@ def parse_prefix_cache_counters(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def read_prefix_cache_counters(metrics_url: str, api_key: str | None = None, timeout: float = 30.0) -> dict | None:
-    """One scrape of ``metrics_url``: per-replica counters, or None if it cannot be read."""
+async def scrape_metrics(metrics_url: str, api_key: str | None = None, timeout: float = 30.0) -> str | None:
+    """One scrape of ``metrics_url``: its Prometheus text, or None if it cannot be read."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -76,7 +77,13 @@ async def read_prefix_cache_counters(metrics_url: str, api_key: str | None = Non
             response.raise_for_status()
     except Exception:  # noqa: BLE001 - no metrics is reported as such, not a failed bench
         return None
-    return parse_prefix_cache_counters(response.text)
+    return response.text
+
+
+async def read_prefix_cache_counters(metrics_url: str, api_key: str | None = None, timeout: float = 30.0) -> dict | None:
+    """One scrape of ``metrics_url``: per-replica counters, or None if it cannot be read."""
+    text = await scrape_metrics(metrics_url, api_key, timeout)
+    return None if text is None else parse_prefix_cache_counters(text)
 
 
 def counter_deltas(before: dict | None, after: dict | None) -> dict | None:

@@ -9,6 +9,9 @@ with ``ignore_eos``), so both policies, and transformers, generate the same toke
 * ``seed-mix``: ``num_requests`` requests, even indices ``short`` (20) and odd ones ``long`` (200).
 * ``sweep``: output lengths from an exponential distribution of mean ``mean_tokens``, capped at each
   of ``caps``; the higher the cap, the more the lengths vary (see :func:`sweep_lengths`).
+* ``input-grounded`` (:mod:`cluster.bench.input_grounded`): prompts holding a paragraph or a
+  Python function that the answer repeats or edits (for speculative decoding by prompt lookup);
+  128 to 200 output tokens, drawn from ``seed``.
 * a JSONL file: one ``{"prompt": ..., "max_tokens": ...}`` object per line (``id`` optional;
   ``prompt`` may be a string or a list of token ids).
 """
@@ -46,7 +49,7 @@ SEED_EXAMPLE_FINISH_STEPS = {
     "static": {"A": 100, "B": 20, "C": 50, "D": 200, "E": 230},
 }
 
-BUILTIN_WORKLOADS = ("seed-example", "seed-mix", "sweep")
+BUILTIN_WORKLOADS = ("seed-example", "seed-mix", "sweep", "input-grounded")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
+from replica.config.speculative_config import SpeculativeConfig
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -159,6 +161,14 @@ class EngineConfig(BaseModel):
         description=(
             "Seconds the engine loop may go without finishing a step while requests are queued; "
             "past it the replica's health check fails and Serve replaces the replica."
+        ),
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description=(
+            "Speculative decoding (vLLM's keys: method ngram or draft_model, num_speculative_tokens, "
+            "prompt_lookup_min/max, model): drafts are checked in the ordinary step and only the tokens "
+            "the model would produce are kept; steps then run synchronously (no async scheduling)."
         ),
     )
     enable_fault_injection: bool = Field(

@@ -199,6 +199,26 @@ class BlockManager:
                 released += 1
         return released
 
+    def truncate(self, owner: str, num_tokens: int) -> int:
+        """Shrink ``owner``'s block table to cover ``num_tokens`` tokens (speculative decoding: the
+        blocks that held only rejected drafts); returns how many blocks were released. They hold
+        no cached prefix (drafts are never registered), so they go back to the plain free list.
+
+        Raises ``RuntimeError`` if a released block is in the prefix cache (accounting broken)."""
+        table = self._tables.get(owner)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        released = table[keep:]
+        del table[keep:]
+        for block_id in reversed(released):
+            if self._block_hash[block_id] is not None:
+                raise RuntimeError(f"block {block_id} of {owner!r} is in the prefix cache; drafts never are")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free.append(block_id)
+        return len(released)
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached block that no request holds (vLLM's ``reset_prefix_cache``); returns
         how many. Held blocks keep their hashes."""

@@ -30,6 +30,7 @@ from collections import deque
 from typing import ClassVar
 
 from replica.core.block_manager import BlockManager
+from replica.core.drafts import roll_back
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from replica.protocol.outputs import FinishReason
@@ -343,7 +344,8 @@ class Scheduler:
             scheduled.request.num_pending += scheduled.samples
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False,
+        extra_token_ids: dict[int, list[int]] | None = None,
     ) -> list[Request]:
         """Advance ``num_computed_tokens`` (unless :meth:`advance` did), append sampled tokens and
         apply token-level stops.
@@ -353,13 +355,16 @@ class Scheduler:
         ``max_tokens == 0``, finished their prefill), in order; those that finished have ``status ==
         FINISHED`` and their seat and blocks are already free (unless the policy keeps them:
         :meth:`_release_finished`). With ``advanced``, a request preempted since the step was
-        scheduled still gets its token (it is recomputed with it).
+        scheduled still gets its token (it is recomputed with it). ``extra_token_ids[i]``
+        (speculative decoding): the tokens row ``i`` emits after its first, one per accepted draft;
+        each is checked for a stop in turn, and the rejected drafts are rolled back
+        (:func:`replica.core.drafts.roll_back`).
         """
         produced: list[Request] = []
         self._num_ending = 0  # they end now
         if self._advanced is out:
             self._advanced = None  # read now
-        for scheduled, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+        for i, (scheduled, token_id) in enumerate(zip(out.scheduled, sampled_token_ids, strict=True)):
             request = scheduled.request
             if advanced and scheduled.samples:
                 request.num_pending -= 1
@@ -376,9 +381,14 @@ class Scheduler:
                     self._finish(request, FinishReason.LENGTH, None, out.step)
                 continue
             assert token_id is not None
-            request.output_token_ids.append(token_id)
             produced.append(request)
-            reason, stop_reason = check_stop(request, token_id, self.max_model_len)
-            if reason is not None:
-                self._finish(request, reason, stop_reason, out.step)
+            extra = extra_token_ids.get(i, ()) if extra_token_ids else ()
+            if scheduled.spec_token_ids:  # before a stop below caches the request's computed blocks
+                roll_back(self, request, scheduled, len(extra))
+            for token in (token_id, *extra):
+                request.output_token_ids.append(token)
+                reason, stop_reason = check_stop(request, token, self.max_model_len)
+                if reason is not None:
+                    self._finish(request, reason, stop_reason, out.step)
+                    break
         return produced

@@ -20,6 +20,12 @@ class ScheduledRequest:
     the step still in flight samples for this request; the model runner takes it from that step's
     device tensor.
 
+    ``spec_token_ids`` (speculative decoding): drafted tokens past the request's known ones, which
+    this row's chunk holds as input after its last known token. A decode row that verifies ``k``
+    drafts starts at the last known token and computes ``1 + k`` tokens
+    (:meth:`replica.core.scheduler.Scheduler.reserve_drafts`); a draft model's own rows hold the
+    drafts it proposed so far.
+
     ``is_padding``, the static baseline only (:mod:`replica.core.static_batching`): the row of a
     finished batch member, computed as a padded static batch would. It recomputes the request's
     last token at the next position (one token, ``samples`` true) and its sample is thrown away.
@@ -31,6 +37,12 @@ class ScheduledRequest:
     samples: bool
     is_padding: bool = False
     from_previous: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_verified_drafts(self) -> int:
+        """Drafts this row verifies: its drafts when it starts at the request's last known token."""
+        return len(self.spec_token_ids) if self.start == self.request.num_tokens - 1 else 0
 
 
 @dataclass

@@ -112,13 +112,14 @@ class StaticBatchScheduler(Scheduler):
 
     # ---- after the forward -------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None], *, advanced: bool = False,
+        extra_token_ids: dict[int, list[int]] | None = None,
     ) -> list[Request]:
         """As :meth:`Scheduler.update_from_output`; a padding row's position counts as computed and
         its sample is thrown away, and the batch leaves when its last member has finished."""
         for scheduled in out.scheduled:
             if scheduled.is_padding:
                 scheduled.request.num_computed_tokens += 1
-        produced = super().update_from_output(out, sampled_token_ids, advanced=advanced)
+        produced = super().update_from_output(out, sampled_token_ids, advanced=advanced, extra_token_ids=extra_token_ids)
         self._release_batch_if_done()
         return produced

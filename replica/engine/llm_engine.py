@@ -27,23 +27,19 @@ from replica.core.scheduler_output import SchedulerOutput
 from replica.engine.metrics import EngineMetrics
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.request_builder import build_request, eos_token_ids
-from replica.engine.stats import EngineStats
+from replica.engine.stats import EngineStats, SpecDecodeStats
+from replica.engine.step_failures import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, fail_request, fail_step
 from replica.protocol.outputs import EngineOutput, FinishReason
 from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import GrammarCompiler
+from replica.spec_decode import make_speculator
 from replica.worker.kv_sizing import decide_max_model_len
 from replica.worker.model_runner import ModelRunner
 from replica.worker.model_runner_output import InFlight, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-# A forward that fails this many times in a row means the device or model is broken, not one batch.
-MAX_CONSECUTIVE_FAILED_STEPS = 3
-
-
-class EngineStateError(RuntimeError):
-    """The engine's state can no longer be trusted; the engine must be replaced."""
-
+__all__ = ["LLMEngine", "EngineStateError", "MAX_CONSECUTIVE_FAILED_STEPS"]  # the latter two: step_failures'
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache for one transformers model.
@@ -81,6 +77,9 @@ class LLMEngine:
             self.vocab_size = self.runner.vocab_size
             self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
             self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+            self.speculator = make_speculator(cfg, self.runner, self.max_model_len, self.tokenizer)
+            if self.speculator is not None:
+                self.warm_up_report.update(self.speculator.seed_cost(self.runner, cfg.max_num_seqs, cfg.max_num_batched_tokens))
         except BaseException:  # a tensor-parallel runner's other ranks must not wait for it forever
             self.runner.close(kill=True)
             raise
@@ -171,6 +170,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _forget_released(self) -> None:
+        """Rows (and a speculator's state) of the requests that left the running batch."""
+        for request_id in self.scheduler.take_released():
+            self.runner.forget(request_id)
+            if self.speculator is not None:
+                self.speculator.forget(request_id)
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding's counters since start (all zero without speculation)."""
+        return self.speculator.stats if self.speculator is not None else SpecDecodeStats()
+
     def _make_scheduler(self, policy: str):
         cfg = self.config
         return make_scheduler(policy, self.block_manager, max_num_seqs=cfg.max_num_seqs,
@@ -183,8 +194,7 @@ class LLMEngine:
         if self.has_unfinished_requests() or self._in_flight is not None:
             raise RuntimeError("the scheduling policy changes only on an idle engine")
         scheduler = self._make_scheduler(policy)
-        for request_id in self.scheduler.take_released():
-            self.runner.forget(request_id)
+        self._forget_released()
         self.scheduler = scheduler
         self._refresh_stats()
 
@@ -196,7 +206,7 @@ class LLMEngine:
         wanted = self.config.async_scheduling
         if wanted is None:
             wanted = self.runner.device.type == "cuda"
-        return wanted and self.scheduler.SUPPORTS_ASYNC_SCHEDULING
+        return wanted and self.scheduler.SUPPORTS_ASYNC_SCHEDULING and self.speculator is None
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -229,8 +239,7 @@ class LLMEngine:
                 queries=scheduler.prefix_cache_queries - queries, hits=scheduler.prefix_cache_hits - hits
             )
         self.last_scheduler_output = out
-        for request_id in self.scheduler.take_released():
-            self.runner.forget(request_id)
+        self._forget_released()
         seats_taken = self.scheduler.num_seats_taken  # during this step, before finishes free seats
         for sched in out.scheduled:
             request = sched.request
@@ -244,11 +253,18 @@ class LLMEngine:
             return []
         else:
             try:
+                if self.speculator is not None:
+                    with record_function("carpool.propose_drafts"):
+                        self.speculator.prepare(self.scheduler, out)
                 result = self.runner.execute(out)
             except Exception as exc:
                 return self._fail_step(out, exc)
             self._consecutive_failed_steps = 0
             outputs = self._process(out, result)
+            if self.speculator is not None:
+                counts = self.speculator.observe(out, result.extra_token_ids, time.monotonic() - started)
+                if counts is not None and self.metrics is not None:
+                    self.metrics.on_spec_decode(**counts)
         if self.metrics is not None and not out.is_empty:
             self.metrics.on_step(
                 num_tokens=out.num_batched_tokens,
@@ -305,11 +321,14 @@ class LLMEngine:
             outputs.append(self._fail_request(request, exc))
         for row, entries in result.prompt_logprobs.items():
             out.scheduled[row].request.prompt_logprobs.extend(entries)
-        logprobs_of = {
-            id(s.request): lp for s, lp in zip(out.scheduled, result.logprobs) if lp is not None
+        logprobs_of = {  # a row's logprobs entries: its first token's, then (speculation) the others'
+            id(s.request): [lp, *result.extra_logprobs.get(i, ())]
+            for i, (s, lp) in enumerate(zip(out.scheduled, result.logprobs)) if lp is not None
         }
         with record_function("carpool.update"):
-            produced = self.scheduler.update_from_output(out, result.sampled_token_ids, advanced=advanced)
+            produced = self.scheduler.update_from_output(
+                out, result.sampled_token_ids, advanced=advanced, extra_token_ids=result.extra_token_ids
+            )
         now = time.monotonic()
         with record_function("carpool.detokenize"):
             for request in produced:
@@ -325,44 +344,10 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, FinishReason.STOP, stop_string, step)
 
     def _fail_request(self, request: Request, exc: BaseException) -> EngineOutput:
-        """End ``request`` after an internal error: seat and blocks freed, an output with ``error``."""
-        logger.error("request %s failed: %r", request.request_id, exc, exc_info=exc)
-        if self.scheduler.requests.get(request.request_id) is request and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, FinishReason.ABORT)
-        else:  # finished in this step already (its blocks are free); report the error instead
-            request.finish_reason, request.stop_reason = FinishReason.ABORT, None
-        return self.output_processor.final_output(request, exc)
+        return fail_request(self, request, exc)
 
     def _fail_step(self, out: SchedulerOutput, exc: BaseException) -> list[EngineOutput]:
-        """The forward of ``out`` failed: end every request it scheduled, then check the state."""
-        self._consecutive_failed_steps += 1
-        logger.error(
-            "engine step %d failed (%d in a row); ending its %d requests",
-            out.step, self._consecutive_failed_steps, len(out.scheduled), exc_info=exc,
-        )
-        outputs = []
-        seen: set[str] = set()
-        # Blocks registered for this step to fill may be half written: out of the cache. Only
-        # this step's requests hold them; blocks registered earlier were computed by earlier steps.
-        self.block_manager.uncache(out.newly_cached)
-        for sched in out.scheduled:
-            request = sched.request
-            if sched.is_padding or request.request_id in seen or request.is_finished:
-                continue  # a padding row (static baseline), or (async) a request that ended meanwhile
-            seen.add(request.request_id)
-            outputs.append(self._fail_request(request, exc))
-        self._refresh_stats()
-        try:
-            self.check_integrity()
-        except AssertionError as broken:
-            raise EngineStateError(f"KV block accounting broken after a failed step: {broken}") from exc
-        if self.runner.group_broken:  # a rank died or a collective failed: every later step would fail
-            raise EngineStateError(f"the tensor-parallel group is broken; last error: {exc!r}") from exc
-        if self._consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
-            raise EngineStateError(
-                f"{self._consecutive_failed_steps} engine steps in a row failed; last error: {exc!r}"
-            ) from exc
-        return outputs
+        return fail_step(self, out, exc)
 
     def _refresh_stats(self) -> None:
         """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or

@@ -2,7 +2,8 @@
 
 Names carry the ``carpool:`` prefix and vLLM's semantics where the name is shared, so that habits
 and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_name`` and
-``replica`` on every series, ``finished_reason`` on ``request_success_total``.
+``replica`` on every series, ``finished_reason`` on ``request_success_total``, ``position`` on
+``spec_decode_num_accepted_tokens_per_pos_total``.
 
 Each engine gets its own :class:`EngineMetrics` over its own ``CollectorRegistry``; a replica
 exports that registry's text and the ingress merges all replicas' text into one ``/metrics``.
@@ -103,6 +104,22 @@ class EngineMetrics:
         self.grammar_cache_hits = counter(
             "grammar_cache_hits", "Constrained requests whose constraint was compiled already (cached)."
         )
+        # Speculative decoding (vLLM's ``spec_decode`` counters; stay at 0 without a drafter)
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Rows verified with at least one draft token (one per row per step)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens proposed and verified by the target model."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Of the verified draft tokens, those accepted (kept in the output)."
+        )
+        self._accepted_per_pos = Counter(
+            "carpool:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by draft position (label position, 0-based).",
+            names + ["position"],
+            registry=r,
+        )
         # Latency
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first generated token (TTFT).", LATENCY_BUCKETS
@@ -141,6 +158,19 @@ class EngineMetrics:
         if queries:
             self.prefix_cache_queries.inc(queries)
             self.prefix_cache_hits.inc(hits)
+
+    def on_spec_decode(
+        self, *, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int, accepted_per_position: list[int]
+    ) -> None:
+        """One step verified drafts: ``num_drafts`` rows with at least one draft token, holding
+        ``num_draft_tokens`` draft tokens, of which ``num_accepted_tokens`` were accepted;
+        ``accepted_per_position[j]``: the rows that accepted draft ``j`` (0-based). Every position is
+        counted, zeros included, so that its series exists once drafted."""
+        self.spec_decode_num_drafts.inc(num_drafts)
+        self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
+        for position, accepted in enumerate(accepted_per_position):
+            self._accepted_per_pos.labels(**self.labels, position=str(position)).inc(accepted)
 
     def on_first_scheduled(self, queue_time_s: float) -> None:
         self.request_queue_time.observe(queue_time_s)

@@ -46,44 +46,65 @@ class OutputProcessor:
         self,
         request: Request,
         now: float,
-        lp: TokenLogprobs | None,
+        logprobs: list[TokenLogprobs | None] | None,
         step: int,
         finish_on_stop_string: Callable[[str, str, int], object],
     ) -> EngineOutput:
-        """Record the token just appended to ``request`` (none with ``max_tokens == 0``, whose
-        prefill just ended it) by step ``step``: metrics, detokenizer, stop strings; prompt logprobs
-        with the first. ``now``: ``time.monotonic()`` seconds. A stop string found in a request
-        still running ends it through ``finish_on_stop_string(request_id, stop_string, step)``
-        (the scheduler's, which frees its seat and blocks). Raises what the detokenizer raises."""
+        """Record the tokens just appended to ``request`` by step ``step`` (one, or with speculative
+        decoding one per accepted draft and one more; none with ``max_tokens == 0``, whose prefill
+        just ended it): metrics, detokenizer, stop strings; prompt logprobs with the first.
+        ``logprobs``: the new tokens' entries (or None). ``now``: ``time.monotonic()`` seconds.
+
+        The new tokens are those past what the detokenizer has seen, fed one at a time: a stop
+        string that a token completes ends the request there, and the tokens after it are dropped
+        (they would not exist without speculation). A request still running is ended through
+        ``finish_on_stop_string(request_id, stop_string, step)`` (the scheduler's, which frees its
+        seat and blocks). Raises what the detokenizer raises."""
         metrics = self.metrics
         first = request.first_token_time is None
         scored_only = request.sampling_params.max_tokens == 0
+        detokenizer = self.detokenizers[request.request_id]
+        token_ids = [] if scored_only else request.output_token_ids[detokenizer.num_tokens :]
         if first:
             request.first_token_time = now
-        if metrics is not None:
-            if first:
+            if metrics is not None:
                 metrics.on_prompt_prefilled(request.num_prompt_tokens)
-            if not scored_only:
-                since = now - (request.arrival_time if first else request.last_token_time)
-                metrics.on_token(first=first, since_previous_s=since)
+        if metrics is not None and token_ids:
+            # The step's tokens arrive together: the wait is shared out over them (vLLM's ITL is
+            # per step; per token, its sum still equals the request's decode time).
+            since = (now - (request.arrival_time if first else request.last_token_time)) / len(token_ids)
+            for k in range(len(token_ids)):
+                metrics.on_token(first=first and k == 0, since_previous_s=since)
         request.last_token_time = now
-        token_ids, text = [], ""
-        if not scored_only:
-            token_ids = [request.output_token_ids[-1]]
-            update = self.detokenizers[request.request_id].update(token_ids, finished=request.is_finished)
-            text = update.delta_text
+        text = []
+        for k, token in enumerate(token_ids):
+            last = k == len(token_ids) - 1
+            update = detokenizer.update([token], finished=request.is_finished and last)
+            text.append(update.delta_text)
             if update.stop_string is not None:
-                if request.is_finished:
-                    request.finish_reason, request.stop_reason = FinishReason.STOP, update.stop_string
-                else:
-                    finish_on_stop_string(request.request_id, update.stop_string, step)
+                token_ids = token_ids[: k + 1]
+                self._stop_at(request, detokenizer, update.stop_string, step, finish_on_stop_string)
+                break
         if request.is_finished:
             self._finished(request, now)
-        output = request.delta(token_ids, text, [lp] if lp else None)
+        if logprobs is not None:
+            logprobs = logprobs[: len(token_ids)]
+        output = request.delta(token_ids, "".join(text), logprobs if logprobs and any(logprobs) else None)
         if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             request.prompt_logprobs_sent = True
             output.prompt_logprobs = [None, *request.prompt_logprobs]
         return output
+
+    @staticmethod
+    def _stop_at(request: Request, detokenizer, stop_string: str, step: int, finish_on_stop_string) -> None:
+        """A stop string ended the request at the detokenizer's last token: drop later tokens
+        (speculative decoding's), then end it (a request the scheduler already ended, on a later
+        token's stop or length, gets the stop string as its reason)."""
+        del request.output_token_ids[detokenizer.num_tokens :]
+        if request.is_finished:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop_string
+        else:
+            finish_on_stop_string(request.request_id, stop_string, step)
 
     def final_output(self, request: Request, error: BaseException | None = None) -> EngineOutput:
         """The last output of ``request``, which the scheduler has just ended without a token (an

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from replica.spec_decode.stats import SpecDecodeStats
+
+__all__ = ["EngineStats", "SpecDecodeStats"]
+
 if TYPE_CHECKING:
     from replica.core.block_manager import BlockManager
     from replica.core.scheduler import Scheduler
@@ -49,3 +53,4 @@ class EngineStats:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=block_manager.num_cached_blocks,
         )
+

@@ -71,6 +71,14 @@ class Grammar:
             return False
         return bool(self.matcher.consume_token(token_id)) and not self.matcher.is_error()
 
+    def rollback(self, num_tokens: int, dead_end: bool = False) -> None:
+        """Undo the last ``num_tokens`` :meth:`accept` calls (speculative decoding verifies drafts
+        on the constraint, then the scheduler accepts the kept tokens again), and set ``dead_end``
+        back to what it was before them."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+        self.dead_end = dead_end
+
     @property
     def is_finished(self) -> bool:
         """The constraint is complete: nothing but the end of the output may follow."""

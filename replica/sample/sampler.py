@@ -65,7 +65,7 @@ from replica.sample.logprobs import token_logprobs
 # Temperatures below this sample greedily (as vLLM's _SAMPLING_EPS): dividing by ~0 overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-__all__ = ["Sampler", "SamplerOutput", "greedy_argmax", "cpu_inversion"]
+__all__ = ["Sampler", "SamplerOutput", "greedy_argmax", "cpu_inversion", "is_plain_greedy"]
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _row_uniforms(requests: Sequence[Request]) -> torch.Tensor:
     return uniforms
 
 
-def _plain_greedy(request: Request) -> bool:
+def is_plain_greedy(request: Request) -> bool:
     """Greedy, with nothing that needs float32 logits: no logit bias, no penalty, no min_tokens
     mask, no constraint, no logprobs."""
     p = request.sampling_params
@@ -154,7 +154,7 @@ class Sampler:
         logprobs entries of the rows that ask for them (else all None)."""
         num_rows, vocab = logits.shape
         assert num_rows == len(requests), f"{num_rows} logit rows for {len(requests)} requests"
-        plain = [_plain_greedy(r) for r in requests]
+        plain = [is_plain_greedy(r) for r in requests]
         if all(plain):
             # The same tokens as the full path below, which takes argmax of the float32 logits.
             return greedy_argmax(logits).long(), [None] * num_rows

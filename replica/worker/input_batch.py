@@ -16,7 +16,7 @@ are the one special case: such a row recomputes its request's last token at the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,9 @@ class ModelInputs:
     ``prompt_spans``: ``(scheduled row, first position, end position)`` of the prompt positions
     whose logits rows follow the sampling rows, in order (position ``q`` scores prompt token
     ``q + 1``).
+    ``draft_spans`` (speculative decoding): ``(scheduled row, k)`` of each row that verifies ``k``
+    drafts; its ``k`` draft logits rows (the logits of its chunk's first ``k`` tokens, which score
+    the drafts) follow the sampling rows, before the prompt rows, in order.
     ``sequences`` is what the attention backend plans from.
     """
 
@@ -44,6 +47,12 @@ class ModelInputs:
     sample_rows: list[int]
     sequences: AttentionMetadata
     prompt_spans: list[tuple[int, int, int]]
+    draft_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_draft_rows(self) -> int:
+        """Logits rows that score drafts (after the sampling rows, before the prompt rows)."""
+        return sum(k for _, k in self.draft_spans)
 
     @property
     def num_prompt_rows(self) -> int:
@@ -102,10 +111,12 @@ class InputBatch:
                 self.token_ids[row, have:total] = request.output_token_ids[have - len(prompt) :]
             self._num_tokens[row] = total
         blocks = request.block_ids
-        have = self._num_blocks[row]
+        have = min(self._num_blocks[row], len(blocks))
         if have < len(blocks):
             self.block_table[row, have : len(blocks)] = blocks[have:]
-            self._num_blocks[row] = len(blocks)
+        # Blocks past the known tokens may hold drafts, which are given back and replaced by other
+        # blocks (speculative decoding): they are written again at the next sync.
+        self._num_blocks[row] = min(len(blocks), -(-total // self.block_size))
         return row
 
     def prepare(self, scheduled, *, pad: bool, min_tokens: int = 1, min_rows: int = 1) -> ModelInputs:
@@ -124,12 +135,18 @@ class InputBatch:
         samples = np.zeros(num_seqs, dtype=bool)
         static_padding_rows = []  # static baseline: finished members' rows
         prompt_spans = []
+        draft_spans = []
         for i, sched in enumerate(scheduled):
             request = sched.request
             rows[i] = self._sync(request)
             starts[i] = sched.start
             counts[i] = sched.num_new_tokens
             samples[i] = sched.samples
+            if sched.spec_token_ids:  # drafts past the known tokens: written where they would go
+                known = request.num_tokens
+                self.token_ids[rows[i], known : known + len(sched.spec_token_ids)] = sched.spec_token_ids
+                if sched.num_verified_drafts:
+                    draft_spans.append((i, sched.num_verified_drafts))
             if sched.is_padding:
                 static_padding_rows.append(i)
             elif request.sampling_params.prompt_logprobs is not None:
@@ -152,10 +169,12 @@ class InputBatch:
         seq_lens = starts + counts
         width = int(-(-seq_lens.max() // bs))
         logits_indices = query_start[1:][samples] - 1
-        if prompt_spans:
-            logits_indices = np.concatenate(
-                [logits_indices, *(np.arange(first, end) - starts[i] + query_start[i] for i, first, end in prompt_spans)]
-            )
+        if prompt_spans or draft_spans:
+            logits_indices = np.concatenate([
+                logits_indices,
+                *(query_start[i] + np.arange(k) for i, k in draft_spans),
+                *(np.arange(first, end) - starts[i] + query_start[i] for i, first, end in prompt_spans),
+            ])
         sample_rows = np.flatnonzero(samples).tolist()
         num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens, min_rows)
         if num_tokens > num_real:
@@ -176,6 +195,6 @@ class InputBatch:
             slot_mapping=slots,
             num_tokens=num_tokens,
         )
-        return ModelInputs(input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans)
+        return ModelInputs(input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans, draft_spans)
 
 

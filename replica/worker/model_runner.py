@@ -238,6 +238,15 @@ class ModelRunner:
         return warm_up(self, max_num_batched_tokens, max_num_seqs)
 
     # ---- tensor parallelism (replica.worker.parallel) -------------------------------------------
+    @torch.inference_mode()
+    def time_forwards(self, num_tokens: list[int], chunk: int) -> list[float]:
+        """Seconds of a forward of each of ``num_tokens`` tokens (:func:`replica.worker.warm_up.time_forwards`;
+        every rank runs them), for the speculative-decoding planner's step cost."""
+        from replica.worker.warm_up import time_forwards
+
+        self._command("time_forwards", num_tokens, chunk)
+        return time_forwards(self, num_tokens, chunk)
+
     def _command(self, name: str, *args) -> None:
         """Rank 0 of a tensor-parallel group: have the other ranks run ``name(*args)`` too
         (:func:`~replica.worker.tp_worker.run_rank`), before running it here."""

@@ -21,12 +21,16 @@ class ModelRunnerOutput:
 
     ``errors`` maps a row to the exception that sampling that row alone raised (its token is None).
     ``prompt_logprobs`` maps a row to the prompt logprobs its chunk computed, in position order.
+    ``extra_token_ids`` (speculative decoding) maps a row that verified drafts to the tokens it
+    emits after its first (one per accepted draft), ``extra_logprobs`` to their logprobs entries.
     """
 
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
     errors: dict[int, Exception] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    extra_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 class PendingTokens:

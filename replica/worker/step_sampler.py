@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from replica.core.request import RequestStatus
 from replica.core.scheduler_output import SchedulerOutput
 from replica.sample.logprobs import token_logprobs
+from replica.sample.rejection_sampler import verify
 from replica.sample.sampler import Sampler
 from replica.worker.input_batch import ModelInputs
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
@@ -37,6 +38,7 @@ class StepSampler:
         requests = [out.scheduled[inputs.sample_rows[k]].request for k in keep]
         plain = (
             not inputs.prompt_spans
+            and not inputs.draft_spans
             and all(r.sampling_params.logprobs is None for r in requests)
             and not any(s.is_padding for s in out.scheduled)  # static baseline's padding rows: _sample
         )
@@ -70,14 +72,23 @@ class StepSampler:
         num_real_rows = len(sample_rows)
         result = ModelRunnerOutput([None] * len(out.scheduled), [None] * len(out.scheduled))
         if inputs.prompt_spans:
+            first = num_real_rows + inputs.num_draft_rows
             with record_function("carpool.prompt_logprobs"):
-                self._score_prompts(out, inputs, logits[num_real_rows : num_real_rows + inputs.num_prompt_rows], result)
+                self._score_prompts(out, inputs, logits[first : first + inputs.num_prompt_rows], result)
+        verified = set()
+        if inputs.draft_spans:
+            with record_function("carpool.verify_drafts"):
+                verified = self._verify(out, inputs, logits, result)
         logits = logits[:num_real_rows]  # [num_sampling_rows, vocab]
         if not sample_rows:
             return result
 
-        # Rows of running requests (async scheduling: one that ended since it was scheduled gets none).
-        real = [i for i, row in enumerate(sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
+        # Rows of running requests (async scheduling: one that ended since it was scheduled gets
+        # none), less those whose drafts were verified.
+        real = [
+            i for i, row in enumerate(sample_rows)
+            if out.scheduled[row].request.status == RequestStatus.RUNNING and row not in verified
+        ]
         static_padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
         if real:
             requests = [out.scheduled[sample_rows[i]].request for i in real]
@@ -108,6 +119,33 @@ class StepSampler:
             for i, token_id in zip(static_padding, logits[static_padding].argmax(dim=-1).tolist()):
                 result.sampled_token_ids[sample_rows[i]] = token_id
         return result
+
+    def _verify(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> set[int]:
+        """Verify the drafts of ``inputs.draft_spans`` (:func:`~replica.sample.rejection_sampler.verify`)
+        into ``result``; returns their scheduled rows. A failure ends only the requests of those rows."""
+        num_sampling = len(inputs.sample_rows)
+        sampling_row = {row: k for k, row in enumerate(inputs.sample_rows)}
+        blocks, requests, drafts, rows = [], [], [], []
+        offset = num_sampling
+        for i, k in inputs.draft_spans:
+            index = torch.tensor([*range(offset, offset + k), sampling_row[i]], device=logits.device)
+            offset += k
+            blocks.append(logits.index_select(0, index))
+            requests.append(out.scheduled[i].request)
+            drafts.append(out.scheduled[i].spec_token_ids)
+            rows.append(i)
+        self._seed_generators(requests)
+        try:
+            verified = verify(self.sampler, blocks, requests, drafts)
+        except Exception as exc:
+            logger.exception("verifying drafts failed for %d rows", len(rows))
+            for i in rows:
+                result.errors[i] = exc
+            return set(rows)
+        for i, (tokens, logprobs) in zip(rows, verified):
+            result.sampled_token_ids[i], result.logprobs[i] = tokens[0], logprobs[0]
+            result.extra_token_ids[i], result.extra_logprobs[i] = tokens[1:], logprobs[1:]
+        return set(rows)
 
     def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Prompt logprobs of ``inputs.prompt_spans`` from their logits rows ``[num_prompt_rows, V]``

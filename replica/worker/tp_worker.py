@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # Seconds between two looks of a local rank process at whether its parent (rank 0) still runs.
 PARENT_CHECK_S = 0.5
 # What rank 0 may ask the other ranks to run (ModelRunner methods, called with the same arguments).
-RANK_COMMANDS = frozenset({"init_batch", "warm_up", "enable_decode_graphs", "forward"})
+RANK_COMMANDS = frozenset({"init_batch", "warm_up", "enable_decode_graphs", "time_forwards", "forward"})
 
 
 def run_rank(rank: int, tp_size: int, init_method: str, runner_kwargs: dict, num_threads: int) -> None:

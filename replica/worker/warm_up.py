@@ -43,7 +43,7 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
     if runner.compiled:
         started = time.perf_counter()
         for query_lens in ([1, 1], [2, 1], [1, 1, 1], [2, 1, 1]):
-            _dummy_step(runner, query_lens, len(query_lens))
+            dummy_step(runner, query_lens, len(query_lens))
         report["compile_s"] = time.perf_counter() - started
     if runner.graphs is not None and runner.graphs.capture_graphs:
         try:
@@ -87,9 +87,10 @@ def _on_carpool_kernel(module: torch.nn.Module) -> bool:
     return getattr(module, "carpool_gemv_weight", None) is not None or hasattr(module, "carpool_f32_weight")
 
 
-def _dummy_step(runner, query_lens: list[int], width: int) -> None:
+def dummy_step(runner, query_lens: list[int], width: int, *, all_logits: bool = False) -> None:
     """One forward of sequences of ``query_lens`` tokens over ``width``-block tables, all on
-    the spare block (written and read only by padding)."""
+    the spare block (written and read only by padding); the logits of the last token, or
+    ``all_logits`` of every token."""
     counts = np.array(query_lens, dtype=np.int64)
     n = int(counts.sum())
     seq_lens = counts + (width - 1) * runner.block_size
@@ -115,4 +116,25 @@ def _dummy_step(runner, query_lens: list[int], width: int) -> None:
     if runner.compiled:
         mark_step_dynamic(ids, positions, extra.get("carpool_decode"))
     with running_step(runner.backend):
-        runner.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **extra)
+        keep = torch.arange(n, device=runner.device) if all_logits else 1  # indices, as a step's logits rows
+        runner.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep, **extra)
+
+
+def time_forwards(runner, num_tokens: list[int], chunk: int) -> list[float]:
+    """Seconds of one forward of each of ``num_tokens`` tokens, as sequences of ``chunk`` tokens
+    over 8-block tables with every token's logits (the shape of a step that verifies drafts), the
+    best of two runs each (:func:`dummy_step`; on CUDA, to the end of the device's work). A size
+    below the runner's ``min_step_tokens`` runs at that size, as a step would."""
+    seconds = []
+    for n in num_tokens:
+        n = max(n, runner.min_step_tokens)  # as a step is padded (the compiled decoder's least)
+        lens = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+        best = float("inf")
+        for _ in range(2):
+            started = time.perf_counter()
+            dummy_step(runner, lens, 8, all_logits=True)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            best = min(best, time.perf_counter() - started)
+        seconds.append(best)
+    return seconds

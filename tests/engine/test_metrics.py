@@ -109,3 +109,32 @@ def test_ingress_refusals_merge_with_the_replicas_series(tiny_llama):
     assert samples[("429", "overloaded")] == 2 and samples[("404", "none")] == 1
     assert samples[("401", "invalid_api_key")] == 0  # present before the first refusal
     assert 'carpool:num_requests_running{model_name="tiny",replica="r0"}' in merged
+
+
+def test_spec_decode_counters_sum_over_steps_with_a_series_per_position():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = EngineMetrics("tiny", "r0")
+    assert value(m, "carpool:spec_decode_num_drafts_total") == 0  # present before the first draft
+    # Step 1: 3 rows drafted 2 tokens each; accepted prefixes 2, 1, 0.
+    m.on_spec_decode(num_drafts=3, num_draft_tokens=6, num_accepted_tokens=3, accepted_per_position=[2, 1])
+    # Step 2: 2 rows drafted 3 tokens each; accepted prefixes 0, 0 (position zeros still counted).
+    m.on_spec_decode(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=0, accepted_per_position=[0, 0, 0])
+    text = m.exposition().decode()
+    totals = {
+        f.name: s.value
+        for f in text_string_to_metric_families(text) if f.name.startswith("carpool:spec_decode_num_")
+        for s in f.samples if s.name.endswith("_total") and "position" not in s.labels
+    }
+    assert totals == {
+        "carpool:spec_decode_num_drafts": 5,
+        "carpool:spec_decode_num_draft_tokens": 12,
+        "carpool:spec_decode_num_accepted_tokens": 3,
+    }
+    per_position = {
+        s.labels["position"]: s.value
+        for f in text_string_to_metric_families(text) if f.name == "carpool:spec_decode_num_accepted_tokens_per_pos"
+        for s in f.samples if s.name.endswith("_total")
+    }
+    assert per_position == {"0": 2, "1": 1, "2": 0}
+    assert 'carpool:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2",replica="r0"} 0.0' in text

@@ -114,12 +114,12 @@ def test_warm_up_steps_fit_blocks_smaller_than_their_queries(tiny_llama, backend
     """The warm-up's dummy steps (compiled engines run them at start) give every sequence a block
     table that holds its keys, also with blocks of 1 token: an engine with the reference backend,
     compile and ``block_size=1`` once failed to start (SDPA's mask 1 key longer than the context)."""
-    from replica.worker.warm_up import _dummy_step
+    from replica.worker.warm_up import dummy_step
 
     llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, compile=False, attention_backend=backend,
               block_size=1, num_blocks=64, max_num_seqs=4, max_model_len=32)
     for query_lens, width in [([2, 1], 2), ([5], 1), ([3, 1, 1], 3)]:
-        _dummy_step(llm.engine.runner, query_lens, width)
+        dummy_step(llm.engine.runner, query_lens, width)
     [out] = llm.generate(prompt_token_ids=[[5, 6, 7, 8, 9]], sampling_params=greedy(max_tokens=4))
     assert len(out.outputs[0].token_ids) == 4
     assert_idle(llm.engine)

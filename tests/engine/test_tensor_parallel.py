@@ -50,18 +50,23 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 @pytest.mark.parametrize(
-    "family, compile_, async_scheduling",
-    [("llama", False, False), ("llama", True, False), ("qwen2", True, True)],
-    ids=["llama-eager", "llama-compiled", "qwen2-compiled-async"],
+    "family, compile_, async_scheduling, speculate",
+    [("llama", False, False, False), ("llama", True, False, False), ("qwen2", True, True, False), ("llama", True, False, True)],
+    ids=["llama-eager", "llama-compiled", "qwen2-compiled-async", "llama-compiled-speculative"],
 )
-def test_tp2_greedy_matches_transformers_generate(tiny_model_factory, family, compile_, async_scheduling):
+def test_tp2_greedy_matches_transformers_generate(tiny_model_factory, family, compile_, async_scheduling, speculate):
     """Batched with chunks and preemption, staggered, then each request alone: transformers' tokens
     (with async scheduling, decode rows take their input token from the step in flight, which
-    rank 0 sends the other rank in the step message)."""
+    rank 0 sends the other rank in the step message; with speculative decoding, rows verify the
+    drafts of an unsharded draft model on rank 0 — the target itself, so every draft is kept)."""
     path = tiny_model_factory(family)
     expected = reference_tokens(path, WORKLOAD)
     settings = dict(compile=compile_, async_scheduling=async_scheduling, **TIGHT)
+    if speculate:
+        settings["speculative_config"] = dict(method="draft_model", model=path, num_speculative_tokens=3, adaptive=False)
     with LLM(model=path, dtype="float32", tensor_parallel_size=2, **settings) as llm:
+        if speculate:  # the planner's step timing runs on every rank, as a forward does
+            assert all(t > 0 for t in llm.engine.runner.time_forwards([2, 5], 4))
         runner = llm.engine.runner
         assert runner.tp.world_size == 2 and runner.shape.num_kv_heads == 1  # 2 KV heads over 2 ranks
         assert runner.kv_cache.key_cache[0].shape[-2] == 1  # this rank's cache holds its head only
@@ -75,6 +80,8 @@ def test_tp2_greedy_matches_transformers_generate(tiny_model_factory, family, co
             [alone], _ = run_engine(llm, [WORKLOAD[i]], None)
             assert alone == expected[i], f"request {i} alone"
         assert_idle(llm.engine)
+        stats = llm.engine.spec_decode_stats
+        assert (stats.num_accepted_tokens == stats.num_draft_tokens > 0) == speculate
         ranks = list(runner.tp.ranks)
     assert all(_gone(r.process.pid, 30) for r in ranks), "a rank outlived LLM.close()"
 

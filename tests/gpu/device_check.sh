@@ -9,7 +9,8 @@
 # the tokenizer (tests/gpu/fetch_wheels.sh fills both). Results go to $OUT. Stages (default: tests
 # small large; in a 15-minute lease, two calls: "tests small" (about 8 minutes at most), then
 # "large" (about 5)): tests, small (SmolLM2 shape), large (8B), sync (with small: the SmolLM2 shape
-# again with --no-async-scheduling). A profile, no-graphs or sync limit of 0 skips that run.
+# again with --no-async-scheduling), spec (speculative decoding's side-by-side bench; random weights
+# draft little, so it shows the step cost by rows and the planner backing off). A profile, no-graphs or sync limit of 0 skips that run.
 # On 2026-12-04 the first compile made the SmolLM2-shape bench take 129 s, the 8B one 165 s.
 set -uo pipefail
 STAGES=${1:-"tests small large"}
@@ -31,7 +32,8 @@ if stage tests; then
     -n ${TEST_WORKERS:-6} --dist loadfile \
     tests/engine/test_attention_backends.py tests/engine/test_fidelity.py tests/engine/test_model_support.py \
     tests/engine/test_engine_behaviour.py tests/engine/test_sampling_options.py tests/engine/test_async_engine.py \
-    tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py 2>&1 | tee $OUT/tests.log | tail -30
+    tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py \
+    tests/engine/test_spec_decode.py -k "not real_model" 2>&1 | tee $OUT/tests.log | tail -30
 fi
 
 bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [sync_timeout]
@@ -64,4 +66,11 @@ bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [sync_timeo
 stage small && bench smollm2-135m ${SMALL_TIMEOUT:-200} ${PROFILE_TIMEOUT:-0} ${NO_GRAPHS_TIMEOUT:-0} \
   $(stage sync && echo ${SYNC_TIMEOUT:-130} || echo 0)
 stage large && bench llama3-8b ${LARGE_TIMEOUT:-240} ${LARGE_PROFILE_TIMEOUT:-0}
+
+if stage spec; then  # speculative decoding on CUDA: the step cost by rows (where drafting stops paying) and the planner
+  python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape smollm2-135m --out /tmp/smollm2-135m --device cuda
+  stamp "SmolLM2 shape (random weights): prompt lookup vs none, 1, 4 and 64 seats"
+  timeout ${SPEC_TIMEOUT:-200} python3 -m cluster.bench spec --model /tmp/smollm2-135m --device cuda --dtype bfloat16 \
+    --seats 1,4,64 --num-requests 8 --json $OUT/spec-smollm2-135m.json 2>&1 | grep -E "seats|step cost" | tail -12
+fi
 stamp done

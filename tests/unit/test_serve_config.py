@@ -192,6 +192,47 @@ def test_serve_command_line_limits_reach_the_config(tmp_path):
     assert (cfg.max_request_body_bytes, cfg.max_stop_sequences) == (2**20, 2)
 
 
+def test_speculative_config_reaches_the_engine_config_or_is_refused_by_key(tmp_path, monkeypatch):
+    """``--speculative-config '<JSON>'`` (vLLM's flag) and ``engine: {speculative_config: ...}`` in a
+    config file; a bad JSON or key stops ``carpool serve`` before anything starts, named."""
+    from typer.testing import CliRunner
+
+    import cluster.app
+    import cluster.cli
+    from cluster.cli import app
+
+    started = []
+    monkeypatch.setattr(cluster.cli, "serve_forever", started.append)
+    monkeypatch.setattr(cluster.app, "listen_problem", lambda host, port: None)
+    result = CliRunner().invoke(app, ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'])
+    assert result.exit_code == 0, result.output
+    spec = started[0].engine.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 4, 2, 3)
+    assert started[0].engine.model_dump()["speculative_config"]["num_speculative_tokens"] == 4  # what replicas get
+
+    path = tmp_path / "spec.yaml"
+    path.write_text("engine:\n  speculative_config:\n    method: draft_model\n    model: some/draft\n    num_speculative_tokens: 2\n")
+    assert build_config(path, {}, {}).engine.speculative_config.model == "some/draft"
+    cfg = build_config(path, {}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 5}})
+    assert cfg.engine.speculative_config.method == "ngram"  # the option replaces the file's
+    assert ServeConfig().engine.speculative_config is None
+
+    for bad, named in [
+        ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 1}', "  engine.speculative_config.lookahead: Extra inputs are not permitted"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "  engine.speculative_config.num_speculative_tokens: Input should be greater than or equal to 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}', "  engine.speculative_config: prompt_lookup_min (6) is above prompt_lookup_max (5)"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "engine.speculative_config: model: method draft_model needs"),
+        ("{'method': 'ngram'}", "--speculative-config is not valid JSON"),
+        ("[4]", "--speculative-config must be a JSON object"),
+    ]:
+        result = CliRunner().invoke(app, ["serve", "--speculative-config", bad])
+        assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
+    path.write_text("engine:\n  speculative_config:\n    method: ngram\n")
+    result = CliRunner().invoke(app, ["serve", "--config", str(path)])
+    assert result.exit_code == 2 and "  engine.speculative_config.num_speculative_tokens: Field required" in result.output
+    assert len(started) == 1
+
+
 @pytest.mark.parametrize("key", ["sk-tést", " sk", "sk ", "s k", "sk\n"])
 def test_api_keys_that_no_header_could_carry_are_refused(key):
     with pytest.raises(ValidationError, match="printable ASCII"):
@@ -199,7 +240,9 @@ def test_api_keys_that_no_header_could_carry_are_refused(key):
     assert ServeConfig(api_key="sk-ok_123").api_key == "sk-ok_123"
 
 
-@pytest.mark.parametrize("argv", [["serve", "--help"], ["bench", "serve", "--help"], ["bench", "offline", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["serve", "--help"], ["bench", "serve", "--help"], ["bench", "offline", "--help"], ["bench", "profile", "--help"]]
+)
 def test_help_shows_every_option_whole_at_80_columns(argv):
     """``--help`` on an 80-column terminal names every option in full and cuts no default short."""
     from typer.main import get_command
