@@ -318,6 +318,11 @@ def run(config: ServeConfig) -> str:
         os.environ.update(direct_ingress_env(config.port))
         proxy_port = free_port(config.host)  # the proxy must not take the ingress's port
         logger.info("direct ingress: the ingress serves port %d; Serve's proxy listens on %d", config.port, proxy_port)
+    spec = config.engine.speculative_config
+    if spec is not None and spec.method == "draft_model":  # before Ray: a bad draft fails fast, named
+        from replica.config.model_files import check_draft_model
+
+        check_draft_model(config.engine.model, spec.model, config.engine.tokenizer)
     start_ray(config)
     check_tensor_parallel(config)
     serve.start(http_options={"host": config.host, "port": proxy_port})

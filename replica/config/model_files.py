@@ -136,6 +136,27 @@ def check_tp_size(model_path: str, tp_size: int) -> None:
         )
 
 
+def check_draft_model(model: str, draft: str, tokenizer: str | None = None) -> None:
+    """Refuse, from config and tokenizer files alone (no weights), a speculative decoding draft
+    that cannot serve ``model``: one that cannot be found, or whose vocabulary or tokenizer differs.
+
+    Raises:
+        ValueError: naming ``speculative_config.model`` and what is wrong.
+    """
+    from transformers import AutoConfig
+
+    try:
+        draft_path = resolve_model_path(draft, weights=False)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config.model: {exc}") from exc
+    target_path = resolve_model_path(model, weights=False)
+    sizes = [AutoConfig.from_pretrained(p).get_text_config().vocab_size for p in (draft_path, target_path)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"speculative_config.model: the draft model's vocabulary has {sizes[0]} tokens, the target's {sizes[1]}")
+    if load_tokenizer(draft_path).get_vocab() != load_tokenizer(target_path, tokenizer).get_vocab():
+        raise ValueError("speculative_config.model: the draft model's tokenizer differs from the target's")
+
+
 def load_tokenizer(path: str, tokenizer: str | None = None):
     """Load the (fast) tokenizer from ``tokenizer`` or the model folder."""
     from transformers import AutoTokenizer

@@ -25,7 +25,7 @@ class SpeculativeConfig(BaseModel):
     when the engine loads it (``replica.spec_decode.draft_model``).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)  # true is not 1, "no" not false
 
     method: Literal["ngram", "draft_model"] = Field(
         description="ngram: prompt lookup (drafts copied from the request's own prompt and output); "

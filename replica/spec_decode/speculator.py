@@ -13,6 +13,7 @@ request's acceptance, the step's cost) and the counters.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from replica.config.speculative_config import SpeculativeConfig
@@ -22,6 +23,8 @@ from replica.spec_decode.ngram import NgramProposer
 from replica.spec_decode.planner import DraftPlanner
 from replica.spec_decode.proposer import Proposer
 from replica.spec_decode.stats import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
 
 # Step sizes (tokens) timed at start to seed the planner's step cost, up to the engine's largest.
 SEED_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -42,6 +45,10 @@ class Speculator:
         self.planner = DraftPlanner(config.num_speculative_tokens, config.adaptive)
         self.stats = SpecDecodeStats()
         self.propose_seconds = 0.0  # the latest prepare()'s proposing time
+        logger.info(
+            "speculative decoding: %s, up to %d drafts per request and step%s", config.method,
+            config.num_speculative_tokens, ", as many as pay (adaptive)" if config.adaptive else ", always",
+        )
 
     def seed_cost(self, runner, max_num_seqs: int, max_num_batched_tokens: int) -> dict[str, float]:
         """Time the runner's forwards at a few step sizes (chunks of ``1 + k`` tokens, as

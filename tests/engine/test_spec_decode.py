@@ -105,11 +105,15 @@ def test_prompt_lookup_on_the_real_model_matches_transformers_generate(smollm2_p
 @pytest.mark.parametrize("drafter", ["itself", "qwen2"])
 def test_greedy_with_a_draft_model_matches_transformers_generate(tiny_model_factory, tiny_llama, drafter, scenario):
     """The target as its own draft (every draft accepted: rows emit up to 1 + k tokens) and a
-    different tiny model (most drafts rejected, blocks rolled back)."""
+    different tiny model (most drafts rejected, blocks rolled back); batched, then alone."""
     draft_path = tiny_llama if drafter == "itself" else tiny_model_factory("qwen2")
     llm = _llm(tiny_llama, draft(draft_path), **SCENARIOS[scenario])
+    expected = reference_tokens(tiny_llama, WORKLOAD)
     got, reasons = run_engine(llm, WORKLOAD, "staggered")
-    assert_reference_outputs(got, reasons, reference_tokens(tiny_llama, WORKLOAD))
+    assert_reference_outputs(got, reasons, expected)
+    for i in (2, 9):  # alone
+        [alone], _ = run_engine(llm, [WORKLOAD[i]], None)
+        assert alone == expected[i], f"request {i} alone"
     stats = llm.engine.spec_decode_stats
     if drafter == "itself":
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 0  # fp32: the same argmax

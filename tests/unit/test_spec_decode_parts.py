@@ -142,3 +142,25 @@ def test_bad_speculative_configs_are_refused_naming_the_key():
     ]:
         with pytest.raises(ValidationError, match=key):
             EngineConfig(speculative_config=bad)
+
+
+def test_a_draft_model_that_cannot_serve_the_target_is_refused_from_its_files(tmp_path, smollm2_path):
+    """``carpool serve`` runs this before Ray starts: a missing draft, another vocabulary size,
+    another tokenizer; the target itself passes."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from replica.config.model_files import check_draft_model
+
+    check_draft_model(smollm2_path, smollm2_path)
+    with pytest.raises(ValueError, match="speculative_config.model: model '/no/such/draft'"):
+        check_draft_model(smollm2_path, "/no/such/draft")
+    LlamaConfig(vocab_size=1000).save_pretrained(tmp_path / "small")
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="vocabulary has 1000 tokens, the target's 49152"):
+        check_draft_model(smollm2_path, str(tmp_path / "small"))
+    LlamaConfig(vocab_size=49152).save_pretrained(tmp_path / "other")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.add_tokens(["<carpool-extra>"])  # one more string: another tokenizer
+    tokenizer.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_draft_model(smollm2_path, str(tmp_path / "other"))
