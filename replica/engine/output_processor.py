@@ -69,12 +69,7 @@ class OutputProcessor:
             request.first_token_time = now
             if metrics is not None:
                 metrics.on_prompt_prefilled(request.num_prompt_tokens)
-        if metrics is not None and token_ids:
-            # The step's tokens arrive together: the wait is shared out over them (vLLM's ITL is
-            # per step; per token, its sum still equals the request's decode time).
-            since = (now - (request.arrival_time if first else request.last_token_time)) / len(token_ids)
-            for k in range(len(token_ids)):
-                metrics.on_token(first=first and k == 0, since_previous_s=since)
+        previous = request.arrival_time if first else request.last_token_time
         request.last_token_time = now
         text = []
         for k, token in enumerate(token_ids):
@@ -85,6 +80,12 @@ class OutputProcessor:
                 token_ids = token_ids[: k + 1]
                 self._stop_at(request, detokenizer, update.stop_string, step, finish_on_stop_string)
                 break
+        if metrics is not None and token_ids:  # the tokens emitted (not those a stop string dropped)
+            # The step's tokens arrive together: the wait is shared out over them (vLLM's ITL is
+            # per step; per token, its sum still equals the request's decode time).
+            since = (now - previous) / len(token_ids)
+            for k in range(len(token_ids)):
+                metrics.on_token(first=first and k == 0, since_previous_s=since)
         if request.is_finished:
             self._finished(request, now)
         if logprobs is not None:

@@ -67,7 +67,7 @@ def verify(
 
 def _ends_request(request: Request, token: int) -> bool:
     params = request.sampling_params
-    return token in request.eos_token_ids or token in params.stop_token_ids
+    return (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids
 
 
 def _verify_in_order(sampler, logits, requests, drafts) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
@@ -77,7 +77,7 @@ def _verify_in_order(sampler, logits, requests, drafts) -> list[tuple[list[int],
     tokens: list[list[int]] = [[] for _ in requests]
     logprobs: list[list[TokenLogprobs | None]] = [[] for _ in requests]
     appended = [0] * len(requests)  # accepted tokens on output_token_ids, and on the constraint
-    dead_ends = [r.grammar.dead_end if r.grammar is not None else False for r in requests]
+    dead_ends = [r.grammar.dead_end if r.grammar is not None else False for r in requests]  # restored after
     active = list(range(len(requests)))
     try:
         for j in range(max(len(d) for d in drafts) + 1):
@@ -87,6 +87,14 @@ def _verify_in_order(sampler, logits, requests, drafts) -> list[tuple[list[int],
             still = []
             for i, token, lp in zip(active, out.token_ids, out.logprobs):
                 request, draft = requests[i], drafts[i]
+                if request.grammar is not None and request.grammar.dead_end:  # no token allowed here
+                    if j == 0:  # the scheduler ends the request on this token, as without drafts
+                        dead_ends[i] = True
+                        tokens[i].append(token)
+                        logprobs[i].append(lp)
+                    # Past position 0 the row emits the drafts accepted so far; the next step
+                    # meets the dead end again, after the scheduler has taken them.
+                    continue
                 accepted = j < len(draft) and accept_draft(token, draft[j])
                 tokens[i].append(draft[j] if accepted else token)
                 logprobs[i].append(lp)

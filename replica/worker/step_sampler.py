@@ -137,14 +137,22 @@ class StepSampler:
         self._seed_generators(requests)
         try:
             verified = verify(self.sampler, blocks, requests, drafts)
-        except Exception as exc:
-            logger.exception("verifying drafts failed for %d rows", len(rows))
-            for i in rows:
-                result.errors[i] = exc
-            return set(rows)
-        for i, (tokens, logprobs) in zip(rows, verified):
-            result.sampled_token_ids[i], result.logprobs[i] = tokens[0], logprobs[0]
-            result.extra_token_ids[i], result.extra_logprobs[i] = tokens[1:], logprobs[1:]
+        except Exception:
+            # One request's parameters or state may break the batch: verify each row alone, so
+            # that only the rows that fail by themselves fail.
+            logger.exception("verifying drafts failed; verifying the %d rows one by one", len(rows))
+            verified = []
+            for i, block, request, draft in zip(rows, blocks, requests, drafts):
+                try:
+                    verified += verify(self.sampler, [block], [request], [draft])
+                except Exception as exc:
+                    result.errors[i] = exc
+                    verified.append(None)
+        for i, one in zip(rows, verified):
+            if one is not None:
+                tokens, logprobs = one
+                result.sampled_token_ids[i], result.logprobs[i] = tokens[0], logprobs[0]
+                result.extra_token_ids[i], result.extra_logprobs[i] = tokens[1:], logprobs[1:]
         return set(rows)
 
     def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:

@@ -243,3 +243,23 @@ def test_speculation_turns_async_scheduling_off_and_bad_drafts_are_refused(tiny_
     llm.tokenizer.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="speculative_config.model: the draft model's vocabulary has 1000 tokens"):
         _llm(tiny_llama, draft(str(tmp_path / "small")), max_num_seqs=4)
+
+
+def test_a_request_that_breaks_verification_ends_alone(tiny_llama):
+    """A request whose sampling raises (its parameters broken mid-run) ends with an error; the
+    other rows of the step are verified one by one and go on, as without speculation."""
+    llm = _llm(tiny_llama, draft(tiny_llama, 3), max_num_seqs=4, compile=False)
+    engine = llm.engine
+    prompts = [[101, 2020, 3030, 4040], [5050, 6060, 7070], [8080, 9090, 1111, 1212, 1313]]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=12))
+    last, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+        steps += 1
+        if steps == 2:  # after the prefill and one verified step
+            engine.scheduler.requests["s1"].sampling_params.temperature = None
+    assert last["s1"].finish_reason == "abort" and "TypeError" in last["s1"].error
+    assert [(last[r].finish_reason, last[r].num_output_tokens) for r in ("s0", "s2")] == [("length", 12)] * 2
+    assert_idle(engine)
