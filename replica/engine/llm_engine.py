@@ -77,7 +77,7 @@ class LLMEngine:
             self.vocab_size = self.runner.vocab_size
             self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
             self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
-            self.speculator = make_speculator(cfg, self.runner, self.max_model_len, self.tokenizer)
+            self.speculator = make_speculator(cfg, self.runner, self.max_model_len)
             if self.speculator is not None:
                 self.warm_up_report.update(self.speculator.seed_cost(self.runner, cfg.max_num_seqs, cfg.max_num_batched_tokens))
         except BaseException:  # a tensor-parallel runner's other ranks must not wait for it forever

@@ -9,13 +9,12 @@ from replica.spec_decode.speculator import Speculator
 __all__ = ["Speculator", "make_speculator"]
 
 
-def make_speculator(config: EngineConfig, runner, max_model_len: int, tokenizer) -> Speculator | None:
+def make_speculator(config: EngineConfig, runner, max_model_len: int) -> Speculator | None:
     """The engine's speculator for ``config.speculative_config`` (None without one). A draft
-    model is loaded here, next to ``runner`` (the target's), sharing its block tables;
-    ``tokenizer`` is the target's.
+    model is loaded here, next to ``runner`` (the target's), sharing its block tables.
 
     Raises:
-        ValueError: the draft model's vocabulary or tokenizer differs from the target's.
+        ValueError: the draft model cannot be found, or its vocabulary or tokenizer differs from the target's.
     """
     spec = config.speculative_config
     if spec is None:
@@ -23,5 +22,5 @@ def make_speculator(config: EngineConfig, runner, max_model_len: int, tokenizer)
     if spec.method == "draft_model":
         from replica.spec_decode.draft_model import DraftModelProposer
 
-        return Speculator(spec, DraftModelProposer(spec, config, runner, max_model_len, tokenizer))
+        return Speculator(spec, DraftModelProposer(spec, config, runner, max_model_len))
     return Speculator(spec)

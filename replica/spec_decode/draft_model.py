@@ -22,7 +22,7 @@ import time
 import torch
 
 from replica.config.engine_config import EngineConfig
-from replica.config.model_files import load_tokenizer, resolve_model_path
+from replica.config.model_files import check_draft_model, resolve_model_path
 from replica.config.speculative_config import SpeculativeConfig
 from replica.core.request import Request
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -33,17 +33,6 @@ from replica.worker.model_runner import ModelRunner
 COST_EMA = 0.2
 
 
-def check_same_vocabulary(draft_tokenizer, target_tokenizer, draft_vocab: int, target_vocab: int) -> None:
-    """Raises ``ValueError`` (naming the key ``model``) unless the draft's tokenizer maps the same
-    strings to the same ids as the target's and its logits are as wide."""
-    if draft_vocab != target_vocab:
-        raise ValueError(
-            f"speculative_config.model: the draft model's vocabulary has {draft_vocab} tokens, the target's {target_vocab}"
-        )
-    if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError("speculative_config.model: the draft model's tokenizer differs from the target's")
-
-
 class DraftModelProposer:
     """Drafts from a draft model (see the module docstring).
 
@@ -52,20 +41,20 @@ class DraftModelProposer:
         config: the engine's config (dtype, device, block size, compile, seats, token budget).
         target: the target's model runner (its block count).
         max_model_len: the engine's.
-        tokenizer: the target's tokenizer.
     Raises:
-        ValueError: the draft's vocabulary or tokenizer differs from the target's; what loading
+        ValueError: the draft cannot be found, or its vocabulary or tokenizer differs from the
+            target's (:func:`~replica.config.model_files.check_draft_model`); what loading
             a model raises.
     """
 
-    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelRunner, max_model_len: int, tokenizer) -> None:
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelRunner, max_model_len: int) -> None:
+        check_draft_model(config.model, spec.model, config.tokenizer)  # before loading any weights
         path = resolve_model_path(spec.model)
         self.runner = ModelRunner(
             path, dtype=config.dtype, device=config.device, block_size=config.block_size,
             num_blocks=target.num_blocks, kv_cache_memory=None, attention_backend=config.attention_backend,
             compile=config.compile, cuda_graphs=config.cuda_graphs, max_num_seqs=config.max_num_seqs,
         )
-        check_same_vocabulary(load_tokenizer(path), tokenizer, self.runner.vocab_size, target.vocab_size)
         self.runner.init_batch(config.max_num_seqs, max_model_len)
         self.warm_up_report = self.runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_drafts = spec.num_speculative_tokens

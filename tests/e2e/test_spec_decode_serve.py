@@ -10,11 +10,10 @@ That the tokens equal those without speculation is checked on the engine, in flo
 from __future__ import annotations
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from cluster.bench.input_grounded import input_grounded_prompts
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
+from tests.e2e.test_disconnects import metrics
 
 ENGINE = EngineConfig(
     max_num_seqs=8, max_model_len=1024, num_blocks=160, compile=False,
@@ -29,20 +28,8 @@ def served(deploy):
         yield served
 
 
-def _counters(served) -> dict[str, float]:
-    import httpx
-
-    text = httpx.get(f"{served.root_url}/metrics", timeout=30).text
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith("carpool:spec_decode_num_") and sample.name.endswith("_total") and "position" not in sample.labels:
-                found[sample.name] = found.get(sample.name, 0.0) + sample.value
-    return found
-
-
 def test_streamed_equals_non_streamed_and_usage_counts_emitted_tokens(served):
-    before = _counters(served)
+    before = metrics(served)
     prompts = [p.prompt for p in input_grounded_prompts(3, seed=2)]
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}]
@@ -61,7 +48,7 @@ def test_streamed_equals_non_streamed_and_usage_counts_emitted_tokens(served):
         assert usage.prompt_tokens == whole.usage.prompt_tokens
         if whole.choices[0].finish_reason == "length":
             assert whole.usage.completion_tokens == 64  # not 64 + accepted drafts past it
-    after = _counters(served)
+    after = metrics(served)
     drafted = after["carpool:spec_decode_num_draft_tokens_total"] - before.get("carpool:spec_decode_num_draft_tokens_total", 0)
     accepted = after["carpool:spec_decode_num_accepted_tokens_total"] - before.get("carpool:spec_decode_num_accepted_tokens_total", 0)
     assert drafted > 0 and 0 < accepted <= drafted
