@@ -1,11 +1,13 @@
 """Bind the replica deployment and the HTTP ingress into one Serve application; start or join Ray.
 
-``build_app(config)`` returns the Serve ``Application`` (ingress bound to the replicas);
+``build_app(config)`` returns the Serve ``Application`` (ingress bound to the replicas, and, with
+LoRA on, to the ``LoRARegistry`` of served adapters);
 ``app_builder(args)`` is the same for Serve config files (``import_path: cluster.app:app_builder``,
 see ``deploy/serve_config.yaml``);
 ``start_ray(config)`` starts a local Ray cluster or joins ``config.address`` (with
 :data:`SERVE_ENV` in its processes' environment);
-``run(config)`` does both plus ``serve.start``/``serve.run`` and returns the API's base URL.
+``run(config)`` does both plus ``serve.start``/``serve.run``, checks the ``lora_modules`` on a
+replica (:func:`check_lora_modules`) and returns the API's base URL.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+LORA_REGISTRY_DEPLOYMENT = "LoRARegistry"
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 """How often (seconds) a stopping replica or ingress checks for requests still running. Serve's
 default, 2 s, is also the least time any replica takes to stop, even an idle one: each redeploy,
@@ -241,7 +244,9 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
             None when ``config.autoscaling`` is set.
     Returns:
         a ``ray.serve.Application`` for ``serve.run``. Its deployments are named ``LLMReplica``
-        and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to.
+        and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to, and,
+        with ``engine.enable_lora``, ``LoRARegistry`` (one replica holding the served adapters'
+        names and folders for every ingress replica: ``router/lora_registry.py``).
     """
     from ray import serve
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
@@ -249,6 +254,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from replica.serve import LLMReplica
     from router.errors import RETRY_AFTER_S
     from router.ingress import OpenAIIngress
+    from router.lora_registry import LoRARegistry
     from router.routing.policy import CarpoolRequestRouter
 
     engine = config.engine
@@ -258,11 +264,26 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         **replica_deployment_options(config, num_replicas),
         request_router_config=RequestRouterConfig(
             request_router_class=CarpoolRequestRouter,
-            request_router_kwargs={"prefix_aware": config.prefix_aware_routing},
+            request_router_kwargs={
+                "prefix_aware": config.prefix_aware_routing,
+                "lora_aware": config.lora_aware_routing and engine.enable_lora,
+                "max_loras": engine.max_loras,
+            },
             request_routing_stats_period_s=config.routing_stats_period_s,
             request_routing_stats_timeout_s=max(5.0, 4 * config.routing_stats_period_s),
         ),
     ).bind(engine.model_dump(), threads, config.model_name, config.max_waiting_requests)
+    registry = None
+    if engine.enable_lora:
+        registry = serve.deployment(
+            LoRARegistry,
+            name=LORA_REGISTRY_DEPLOYMENT,
+            num_replicas=1,  # one owner of the mapping: its adds and removes are atomic
+            max_ongoing_requests=4096,
+            ray_actor_options={"num_cpus": 0},
+            graceful_shutdown_timeout_s=1.0,
+            graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+        ).bind(config.lora_modules)
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
@@ -275,7 +296,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
         graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
-    ).bind(replica, config.ingress_fields(), engine.model_dump())
+    ).bind(replica, config.ingress_fields(), engine.model_dump(), registry)
     return ingress
 
 
@@ -335,7 +356,35 @@ def run(config: ServeConfig) -> str:
         logger.info("deploying %d replica(s) of %s", replicas, config.engine.model)
         app = build_app(config, replicas)
     serve.run(app, name=config.app_name, route_prefix="/")
+    check_lora_modules(config)
     return base_url(config)
+
+
+def check_lora_modules(config: ServeConfig, timeout_s: float = 120.0) -> None:
+    """Ask one replica of the running app to read and check each of ``config.lora_modules``
+    (``LLMReplica.check_lora``), so that a bad adapter stops ``carpool serve`` at start, named,
+    instead of failing its clients' requests later.
+
+    Raises:
+        ValueError: ``lora_modules: <name>=<path>: <the reason>`` for the first adapter refused.
+    """
+    if not config.lora_modules:
+        return
+    from ray import serve
+
+    from replica.protocol.errors import LoRAAdapterError
+    from replica.protocol.lora_request import LoRARequest
+
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=config.app_name)
+    for name, path in config.lora_modules.items():
+        try:
+            info = handle.check_lora.remote(LoRARequest(name, 0, path)).result(timeout_s=timeout_s)
+        except Exception as exc:
+            cause = getattr(exc, "cause", exc)
+            if isinstance(cause, LoRAAdapterError):
+                raise ValueError(f"lora_modules: {name}={path}: {cause}") from None
+            raise
+        logger.info("LoRA adapter %r: rank %s, %d modules, from %s", name, info["rank"], len(info["target_modules"]), path)
 
 
 def check_tensor_parallel(config: ServeConfig) -> None:

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import typer
 from pydantic import ValidationError
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from cluster.config import ServeConfig, format_validation_error, parse_bytes, parse_speculative_config
 from replica.config.engine_config import DTYPE_HELP
 from replica.serve import log_to_stderr
+from router.config import parse_lora_module
 
 app = typer.Typer(
     name="carpool",
@@ -90,8 +91,9 @@ def build_config(file: Path | None, overrides: dict[str, Any], engine_overrides:
     return ServeConfig(**data)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 def serve(
+    ctx: typer.Context,
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML or JSON file with ServeConfig fields (engine settings under 'engine:')."),
     model: Optional[str] = typer.Option(None, help="Hub id or local folder of a decoder-only model (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
@@ -110,6 +112,13 @@ def serve(
     async_scheduling: Optional[bool] = typer.Option(None, "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs (vLLM's --async-scheduling; default: on for CUDA, off on CPU)."),
     enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV of cached prompt prefixes (default: on)."),
     speculative_config: Optional[str] = typer.Option(None, "--speculative-config", help="Speculative decoding, a JSON object of vLLM's keys: method (ngram: prompt lookup, or draft_model), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model (draft_model's), adaptive; e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Replaces a --config file's engine.speculative_config (default: off)."),
+    enable_lora: Optional[bool] = typer.Option(None, "--enable-lora/--no-enable-lora", help="Serve LoRA adapters on the base model (default: off; on when --lora-modules or --lora-dir is given)."),
+    lora_modules: Optional[List[str]] = typer.Option(None, "--lora-modules", help="LoRA adapters served from the start, as name=path (vLLM's; several after one --lora-modules, or the option repeated); clients send the name as the model. Checked at start; turns --enable-lora on."),
+    lora_dir: Optional[List[Path]] = typer.Option(None, "--lora-dir", exists=True, file_okay=False, help="A directory POST /v1/load_lora_adapter may load adapters from (repeatable); a path elsewhere is refused (default: none, runtime loads refused). Turns --enable-lora on."),
+    max_loras: Optional[int] = typer.Option(None, help="LoRA adapters on the device at once per replica, least recently used replaced (default: 4)."),
+    max_lora_rank: Optional[int] = typer.Option(None, help="Largest LoRA rank served; an adapter of higher rank is refused (default: 16)."),
+    max_cpu_loras: Optional[int] = typer.Option(None, help="LoRA adapters kept in host memory per replica (default: --max-loras)."),
+    lora_aware_routing: Optional[bool] = typer.Option(None, "--lora-aware-routing/--no-lora-aware-routing", help="Send a LoRA request to a free-seat replica that holds its adapter (default: on; off: adapters ignored)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id the API reports and accepts (default: --model)."),
     host: Optional[str] = typer.Option(None, help="Bind address (default: 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="HTTP port (default: 8000)."),
@@ -146,6 +155,10 @@ def serve(
         spec = parse_speculative_config(speculative_config) if speculative_config is not None else None
     except ValueError as exc:
         _fail(str(exc))
+    try:
+        modules = _lora_modules(lora_modules, ctx.args)
+    except ValueError as exc:
+        _fail(f"--lora-modules: {exc}")
     if api_key is None and os.environ.get("CARPOOL_API_KEY") == "":
         # click reads an empty variable as unset: say so rather than serve without a key.
         _fail("CARPOOL_API_KEY is set but empty: give it a key, or unset it to serve without one")
@@ -156,11 +169,15 @@ def serve(
         "max_num_batched_tokens": max_num_batched_tokens, "scheduling_policy": scheduling_policy,
         "attention_backend": attention_backend, "compile": compile, "enable_prefix_caching": enable_prefix_caching,
         "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling, "speculative_config": spec,
+        "enable_lora": enable_lora, "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+        "max_cpu_loras": max_cpu_loras,
     }
     overrides = {
         "replicas": replicas, "served_model_name": served_model_name, "host": host, "port": port,
         "api_key": api_key, "address": address, "include_dashboard": dashboard,
         "prefix_aware_routing": prefix_aware_routing, "direct_ingress": direct_ingress,
+        "lora_aware_routing": lora_aware_routing, "lora_modules": modules,
+        "lora_dirs": [str(d.resolve()) for d in lora_dir] if lora_dir else None,
         "batched_deltas": batched_deltas,
         "tool_call_parser": tool_call_parser,
         "tool_chat_template": str(tool_chat_template.resolve()) if tool_chat_template is not None else None,
@@ -181,6 +198,26 @@ def serve(
     if not cfg.address and (problem := listen_problem(cfg.host, cfg.port)):
         _fail(problem)  # before Ray starts: Serve would fail half a minute later, in a wall of tracebacks
     serve_forever(cfg)
+
+
+def _lora_modules(options: list[str] | None, extra: list[str]) -> dict[str, str] | None:
+    """``--lora-modules``'s adapters as ``{name: path}`` (None when not given): the option's values
+    and the words that follow them (vLLM's ``--lora-modules a=/x b=/y``: click hands the words
+    after the first to the command as extra arguments). Relative paths are made absolute here.
+
+    Raises ``ValueError`` for a word that is not ``name=path`` (or its JSON form), a name given
+    twice, or extra words without ``--lora-modules``."""
+    if not options:
+        if extra:
+            raise ValueError(f"unexpected arguments {' '.join(extra)!r} (adapters go after --lora-modules)")
+        return None
+    modules: dict[str, str] = {}
+    for word in [*options, *extra]:
+        name, path = parse_lora_module(word)
+        if name in modules:
+            raise ValueError(f"adapter {name!r} is given twice")
+        modules[name] = str(Path(path).expanduser().resolve())
+    return modules
 
 
 def _fail(message: str) -> None:

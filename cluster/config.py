@@ -187,6 +187,14 @@ class ServeConfig(IngressConfig):
             "there), within a load-imbalance bound; False routes on load alone."
         ),
     )
+    lora_aware_routing: bool = Field(
+        True,
+        description=(
+            "Adapter-aware routing: among replicas with a free seat, send a LoRA request to one that "
+            "holds its adapter in a device slot, within the same load-imbalance bound; False ignores "
+            "adapters when routing."
+        ),
+    )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with a new local cluster.")
     autoscaling: AutoscalingSettings | None = Field(
         None,
@@ -224,6 +232,20 @@ class ServeConfig(IngressConfig):
                 f"engine.max_num_seqs + max_waiting_requests ({admitted}); otherwise Serve queues the "
                 "requests a replica would refuse"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> "ServeConfig":
+        # Adapters given (lora_modules, lora_dirs) turn LoRA on, unless engine.enable_lora is false
+        # on purpose: then they are refused rather than silently ignored.
+        wants = self.lora_modules or self.lora_dirs
+        if wants and not self.engine.enable_lora:
+            if "enable_lora" in self.engine.model_fields_set:
+                given = "lora_modules" if self.lora_modules else "lora_dirs"
+                raise ValueError(f"{given} needs LoRA, but engine.enable_lora is false")
+            self.engine.enable_lora = True
+        if self.model_name in self.lora_modules:
+            raise ValueError(f"lora_modules: adapter name {self.model_name!r} is the served model's name")
         return self
 
     @property

@@ -21,7 +21,8 @@ def quantiles(metric: str) -> list[tuple[str, str]]:
     ]
 
 
-# (title, description, unit, [(legend, expr)], kind)
+# (title, description, unit, [(legend, expr)], kind); ROW starts a new row of panels.
+ROW = "row"
 PANELS = [
     ("Slot utilization per replica", "Running requests / seats (max_num_seqs), 0-1.", "percentunit",
      [("{{replica}}", f"carpool:slot_utilization{{{SEL}}}")], "timeseries"),
@@ -91,17 +92,40 @@ PANELS = [
      [("position {{position}}",
        f"sum by (position) (rate(carpool:spec_decode_num_accepted_tokens_per_pos_total{{{SEL}}}[{RATE}])) "
        f"or on() (0 * sum(rate(carpool:spec_decode_num_drafts_total{{{SEL}}}[{RATE}])))")], "timeseries"),
+    ("LoRA adapters", "", "", [], ROW),
+    ("LoRA: requests running per adapter",
+     "Requests running with each LoRA adapter, all replicas (one series per adapter the replicas know). "
+     "Without adapters, one line at 0.", "short",
+     [("{{adapter}}", f"sum by (adapter) (carpool:lora_requests_running{{{SEL}}}) "
+                      f"or on() (0 * sum(carpool:lora_adapters_loaded{{{SEL}}}))")], "timeseries"),
+    ("LoRA: requests waiting per adapter",
+     "Requests with each LoRA adapter waiting for a seat or for a device slot for their adapter, all replicas. "
+     "Without adapters, one line at 0.", "short",
+     [("{{adapter}}", f"sum by (adapter) (carpool:lora_requests_waiting{{{SEL}}}) "
+                      f"or on() (0 * sum(carpool:lora_adapters_loaded{{{SEL}}}))")], "timeseries"),
+    ("LoRA: adapters in device slots", "Device slots holding an adapter, per replica (at most max_loras).", "short",
+     [("{{replica}}", f"carpool:lora_adapters_loaded{{{SEL}}}")], "timeseries"),
+    ("LoRA: adapter loads into a slot",
+     "Adapters loaded into a device slot per second, per replica (each a miss: a request's adapter was not in a slot). "
+     "Adapter-aware routing keeps it low.", "ops",
+     [("{{replica}}", f"sum by (replica) (rate(carpool:lora_adapter_loads_total{{{SEL}}}[{RATE}]))")], "timeseries"),
 ]
 
 
-def panel(i: int, title: str, description: str, unit: str, targets, kind: str) -> dict:
+def row(i: int, title: str, y: int) -> dict:
+    """A row header across the dashboard: the panels after it, up to the next row, are its own."""
+    return {"id": i + 1, "type": ROW, "title": title, "collapsed": False, "panels": [],
+            "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}}
+
+
+def panel(i: int, title: str, description: str, unit: str, targets, kind: str, x: int, y: int) -> dict:
     return {
         "id": i + 1,
         "type": kind,
         "title": title,
         "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
         "fieldConfig": {"defaults": {"unit": unit, "min": 0}, "overrides": []},
         "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]}},
         "targets": [
@@ -110,6 +134,21 @@ def panel(i: int, title: str, description: str, unit: str, targets, kind: str) -
             for j, (legend, expr) in enumerate(targets)
         ],
     }
+
+
+def layout() -> list[dict]:
+    """Every panel, two per line (8 units high); a row takes a line of its own (1 unit)."""
+    out, y, column = [], 0, 0
+    for i, (title, description, unit, targets, kind) in enumerate(PANELS):
+        if kind == ROW:
+            y += 8 if column else 0
+            out.append(row(i, title, y))
+            y, column = y + 1, 0
+            continue
+        out.append(panel(i, title, description, unit, targets, kind, 12 * column, y))
+        column = 1 - column
+        y += 8 if column == 0 else 0
+    return out
 
 
 def dashboard() -> dict:
@@ -139,11 +178,11 @@ def dashboard() -> dict:
                  "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2, "current": {}},
             ]
         },
-        "panels": [panel(i, *p) for i, p in enumerate(PANELS)],
+        "panels": layout(),
     }
 
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("carpool.json")
     out.write_text(json.dumps(dashboard(), indent=2) + "\n")
-    print(f"wrote {out} ({len(PANELS)} panels)")
+    print(f"wrote {out} ({sum(p[4] != ROW for p in PANELS)} panels)")

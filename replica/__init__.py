@@ -1,12 +1,14 @@
 """Carpool's replica engine: continuous batching over a paged KV cache on transformers models.
 
 Public entry points: :class:`LLM` (offline), :class:`LLMEngine` (step level),
-:class:`AsyncLLMEngine` (asyncio streaming, used by the Serve replica), :class:`SamplingParams`.
+:class:`AsyncLLMEngine` (asyncio streaming, used by the Serve replica), :class:`SamplingParams`,
+:class:`LoRARequest` (a request's LoRA adapter).
 The packages, lowest first: ``config`` and ``protocol`` (torch-free types), ``core`` (scheduling,
-no torch), ``kernels``, ``attention``, ``sample``, ``worker`` (the forward), ``engine`` (the step
+no torch), ``kernels``, ``attention``, ``sample``, ``lora`` (adapters), ``worker`` (the forward), ``engine`` (the step
 loop) and ``serve`` (the Ray Serve replica); ``docs/development.md`` maps them.
 """
 
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import CompletionOutput, EngineOutput, FinishReason, RequestOutput
 from replica.protocol.sampling_params import SamplingParams
 
@@ -15,6 +17,7 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "SamplingParams",
+    "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
     "EngineOutput",

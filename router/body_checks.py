@@ -3,7 +3,8 @@
 each other. Every refusal is an :class:`~router.protocol.OpenAIError` (4xx) naming the field.
 
 The checks that need the replicas' facts (the vocabulary, ``max_model_len``) or the prompt's
-tokens come later, in :mod:`router.preparation`.
+tokens come later, in :mod:`router.preparation`. The body's ``model`` (the served model or one of
+its LoRA adapters, else 404) is resolved before these checks, by :mod:`router.adapters`.
 """
 
 # No "from __future__ import annotations", as in router/ingress.py.
@@ -64,17 +65,10 @@ class BodyChecks:
 
     Args:
         config: the caps (``max_n``, ``max_logprobs``, stop sequences, prompts, choices).
-        model_name: the served model name; a body naming another model gets 404.
     """
 
-    def __init__(self, config: IngressConfig, model_name: str) -> None:
+    def __init__(self, config: IngressConfig) -> None:
         self.config = config
-        self.model_name = model_name
-
-    def check_model(self, model: str) -> None:
-        """Raises OpenAIError (404 ``model_not_found``) unless ``model`` is the served model's name."""
-        if model != self.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
     def check_completion(self, body: CompletionRequest) -> tuple[int, str]:
         """Check a ``/v1/completions`` body against the caps and the options supported.
@@ -83,7 +77,7 @@ class BodyChecks:
             (choices, param): the replica requests it asks for (prompts x ``n``) and the field
             that names them in an error (``prompt`` for a list of prompts, else ``n``).
         Raises:
-            OpenAIError: 404 for another model, 400 naming the field otherwise.
+            OpenAIError: 400 naming the field.
         """
         self._check_common(body)
         if body.suffix:
@@ -110,7 +104,7 @@ class BodyChecks:
         Returns:
             (choices, param): ``(n, "n")``, as :meth:`check_completion`.
         Raises:
-            OpenAIError: 404 for another model, 400 naming the field otherwise.
+            OpenAIError: 400 naming the field.
         """
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -142,8 +136,6 @@ class BodyChecks:
         return body.n, "n"
 
     def _check_common(self, body: _SamplingRequest) -> None:
-        if body.model is not None:
-            self.check_model(body.model)
         if body.n > self.config.max_n:
             raise OpenAIError(f"n: must be at most {self.config.max_n}, got {body.n}", param="n", code="invalid_value")
         parse_logit_bias(body.logit_bias)  # the vocabulary is checked in _prepare

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from ray.exceptions import RayActorError
 
 from replica.protocol.errors import EngineDeadError
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
 from router.delta_receiver import ConnectionLost, DeltaReceiver, ReplicaUnreachable
 
@@ -28,6 +29,7 @@ class ChoiceStream:
         request_id: the replica request id (``-retry`` appended for the second attempt).
         prompt: the prompt's token ids.
         params: the choice's sampling parameters.
+        lora_request: the request's LoRA adapter (None: the base model).
         gen: the current ``DeploymentResponseGenerator`` (or ``DeploymentResponse``).
         retried: the choice was already started again once.
         receiver: with batched deltas, the ingress's :class:`~router.delta_receiver.DeltaReceiver`;
@@ -37,16 +39,17 @@ class ChoiceStream:
             outcome also goes on ``queue``: :func:`~router.delta_receiver.on_call_end`).
     """
 
-    __slots__ = ("index", "request_id", "prompt", "params", "gen", "retried", "receiver", "queue", "watch")
+    __slots__ = ("index", "request_id", "prompt", "params", "lora_request", "gen", "retried", "receiver", "queue", "watch")
 
     def __init__(
         self, index: int, request_id: str, prompt: list[int], params: SamplingParams, gen: Any,
-        receiver: Optional[DeltaReceiver] = None,
+        receiver: Optional[DeltaReceiver] = None, lora_request: Optional[LoRARequest] = None,
     ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        self.lora_request = lora_request
         self.gen = gen
         self.retried = False
         self.receiver = receiver
@@ -70,6 +73,12 @@ class ChoiceStream:
         )
         self.retried = True
         self.request_id += "-retry"
+
+
+def lora_kwargs(lora_request: Optional[LoRARequest]) -> dict[str, Any]:
+    """The keyword a replica call (``generate``, ``generate_all``) takes for an adapter request,
+    ``{"lora_request": ...}``, or none for the base model (its calls keep their shape)."""
+    return {} if lora_request is None else {"lora_request": lora_request}
 
 
 def cancel(response: Any) -> None:

@@ -1,6 +1,7 @@
 """The settings the HTTP ingress reads (pydantic): served model name, API key, request caps, the
-request body cap, the replicas' waiting bound, the shutdown grace period and how streamed tokens
-travel from the replicas.
+request body cap, the replicas' waiting bound, the shutdown grace period, how streamed tokens
+travel from the replicas, and the LoRA adapters served (those known at start, and the directories
+runtime loads may read from).
 
 :class:`IngressConfig` holds them as flat fields; ``cluster.config.ServeConfig`` inherits it and
 adds the engine (under ``engine:``) and the cluster settings, so a serve config file keeps one flat
@@ -10,6 +11,7 @@ the engine settings it needs beside them (see :class:`router.ingress.OpenAIIngre
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -87,6 +89,51 @@ class IngressConfig(BaseModel):
         ),
     )
 
+    # ---- LoRA adapters (docs/lora.md); the engine's own LoRA settings are EngineConfig's ----
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "LoRA adapters served from the start, name -> folder of PEFT files (vLLM's --lora-modules "
+            "name=path); clients name an adapter as the request's model. Each is checked at start. "
+            "Relative folders are taken from the current directory."
+        ),
+    )
+    lora_dirs: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Directories POST /v1/load_lora_adapter may load adapters from (symlinks and '..' "
+            "resolved); a path anywhere else is refused with 400. Empty: runtime loads are refused."
+        ),
+    )
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _modules_as_mapping(cls, value: Any) -> Any:
+        # A mapping, or a list (YAML's, or the command line's words) of vLLM's "name=path" strings
+        # or {"name", "path"} objects.
+        if isinstance(value, (list, tuple)):
+            import json
+
+            return dict(parse_lora_module(item if isinstance(item, str) else json.dumps(item)) for item in value)
+        return value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _check_modules(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"adapter name {name!r} must be non-empty, without outer spaces")
+            if not path:
+                raise ValueError(f"adapter {name!r} has an empty path")
+        return {name: os.path.abspath(os.path.expanduser(path)) for name, path in value.items()}
+
+    @field_validator("lora_dirs")
+    @classmethod
+    def _absolute_dirs(cls, value: list[str]) -> list[str]:
+        if any(not d for d in value):
+            raise ValueError("a directory is an empty string")
+        return [os.path.abspath(os.path.expanduser(d)) for d in value]
+
     @field_validator("tool_call_parser")
     @classmethod
     def _check_parser(cls, value: str) -> str:
@@ -114,3 +161,25 @@ class IngressConfig(BaseModel):
         """The model id clients use in requests and see in ``/v1/models``: ``served_model_name``,
         else ``engine_model`` (the engine's ``model``)."""
         return self.served_model_name or engine_model
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` word as ``(name, path)``: vLLM's ``name=path``, or its JSON form
+    ``{"name": ..., "path": ...}`` (other keys, such as ``base_model_name``, are ignored).
+
+    Raises ``ValueError`` naming the word when it is neither, or a side is empty."""
+    if text.lstrip().startswith("{"):
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"a LoRA module in JSON is not valid JSON ({exc}): {text!r}") from None
+        name, path = data.get("name"), data.get("path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+            raise ValueError(f'a LoRA module in JSON needs "name" and "path" strings, got {text!r}')
+        return name.strip(), path.strip()
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"a LoRA module is name=path, got {text!r}")
+    return name.strip(), path.strip()

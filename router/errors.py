@@ -4,7 +4,8 @@ Owns: turning every failure into OpenAI's JSON error shape with the right status
 (:func:`error_response`, counted in ``carpool:http_requests_rejected_total``); the FastAPI
 exception handlers for bad bodies, unknown paths and oversized bodies; the mapping of pydantic
 validation errors (:func:`validation_error`), of ``SamplingParams`` refusals
-(:func:`sampling_error`) and of replica failures (:func:`replica_error`) to statuses; and the
+(:func:`sampling_error`), of unusable LoRA adapters (:func:`lora_error`) and of replica failures
+(:func:`replica_error`) to statuses; and the
 :class:`RequestGuard` middleware that checks the API key and the body size before routing.
 :func:`install` puts the handlers and the middleware on the ingress's app.
 """
@@ -24,7 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from replica.protocol.errors import EngineDeadError, ReplicaOverloadedError, RequestAbortedError, RequestFailedError
+from replica.protocol.errors import (
+    EngineDeadError,
+    LoRAAdapterError,
+    ReplicaOverloadedError,
+    RequestAbortedError,
+    RequestFailedError,
+)
 from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -178,10 +185,19 @@ def sampling_error(exc: ValueError) -> OpenAIError:
     return OpenAIError(message, param=first if named else None, code="invalid_value")
 
 
+def lora_error(exc: LoRAAdapterError, param: str = "model") -> OpenAIError:
+    """The 400 ``invalid_lora_adapter`` for an adapter a replica cannot use (its message names the
+    adapter and the reason); ``param`` is the field that named it (``model`` in a generation
+    request, ``lora_path`` in a load)."""
+    return OpenAIError(str(exc), param=param, code="invalid_lora_adapter")
+
+
 def replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
-    ``ValueError`` (the engine refused the request) → 400; a full replica
+    An adapter the replica cannot use (:class:`~replica.protocol.errors.LoRAAdapterError`) → 400
+    ``invalid_lora_adapter`` (:func:`lora_error`); another ``ValueError`` (the engine refused the
+    request) → 400; a full replica
     (:class:`~replica.protocol.errors.ReplicaOverloadedError`) or a full handle queue (Serve's
     ``BackPressureError``) → 429 with ``Retry-After``; an internal error of the engine that ended
     this request alone (``RequestFailedError``) → 500; anything else (the replica process died,
@@ -198,6 +214,8 @@ def replica_error(exc: BaseException) -> OpenAIError:
             code="overloaded",
         )
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the replica's own exception
+    if isinstance(cause, LoRAAdapterError) or isinstance(exc, LoRAAdapterError):
+        return lora_error(cause if isinstance(cause, LoRAAdapterError) else exc)
     if isinstance(exc, ValueError):
         return sampling_error(cause if isinstance(cause, ValueError) else exc)
     original = cause if isinstance(cause, BaseException) else exc

@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from replica.protocol.outputs import EngineOutput
 from replica.protocol.sampling_params import SamplingParams
-from router.choice_stream import ChoiceStream, cancel, cancel_all, replica_gone
+from router.choice_stream import ChoiceStream, cancel, cancel_all, lora_kwargs, replica_gone
 from router.delta_receiver import DeltaReceiver, ReplicaUnreachable, on_call_end, queued_deltas
 from router.errors import StreamError, replica_error
 from router.preparation import Prepared
@@ -152,7 +152,7 @@ class Fanout:
         """
         streams = []
         for index, _, ids, params in prepared.jobs():
-            s = ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None, self.receiver)
+            s = ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None, self.receiver, prepared.lora_request)
             self._start(s)
             streams.append(s)
         self._opening += 1
@@ -174,13 +174,15 @@ class Fanout:
         return streams
 
     def _start(self, s: ChoiceStream) -> None:
-        """Send choice ``s`` to a replica (``generate``, streamed, announcing its admission); with
-        batched deltas, register its queue first."""
+        """Send choice ``s`` to a replica (``generate``, streamed, announcing its admission; its
+        adapter as the keyword ``lora_request``, which the request router reads); with batched
+        deltas, register its queue first."""
+        lora = lora_kwargs(s.lora_request)
         if s.receiver is not None:
             s.queue = s.receiver.open(s.request_id)
-            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True, s.receiver.key)
+            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True, s.receiver.key, **lora)
         else:
-            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True)
+            s.gen = self.stream_handle.generate.remote(s.request_id, s.prompt, s.params, True, **lora)
 
     async def _admitted(self, s: ChoiceStream) -> None:
         """Wait for choice ``s``'s admission (the call's first item). With batched deltas that item
@@ -308,10 +310,12 @@ class Fanout:
             OpenAIError: the first failure, mapped by :func:`~router.errors.replica_error`.
         """
 
+        lora = lora_kwargs(prepared.lora_request)
+
         async def run(index: int, ids: list[int], params: SamplingParams) -> EngineOutput:
             s = ChoiceStream(index, f"{prepared.request_id}-{index}", ids, params, None)
             while True:
-                s.gen = self.replica.generate_all.remote(s.request_id, ids, params)
+                s.gen = self.replica.generate_all.remote(s.request_id, ids, params, **lora)
                 try:
                     return await self._unless_ended(s.gen)
                 except Exception as exc:

@@ -1,7 +1,9 @@
 """The HTTP ingress: an OpenAI-compatible API (FastAPI) deployed on Ray Serve.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. Each request is validated (pydantic
+``GET /v1/models/{id}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
+``GET /health``, ``GET /metrics``. A request's ``model`` is the served model or one of its LoRA
+adapters (:mod:`router.adapters`; the adapter travels with each replica request). Each request is validated (pydantic
 models in :mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
 request per choice, choice ``j`` of each prompt of a seeded request using ``seed + j``. Replica
@@ -28,14 +30,15 @@ This module holds the FastAPI app, the Serve deployment class and its endpoints,
 into the modules that do the work: :mod:`router.errors` (error responses, API key and body size),
 :mod:`router.preparation` (checks, chat template, tokens, sampling parameters),
 :mod:`router.replica_view` (health, availability, capacity, model limits), :mod:`router.fanout`
-(replica requests, retry, cancel, shutdown drain) and :mod:`router.responses` (bodies and SSE).
+(replica requests, retry, cancel, shutdown drain), :mod:`router.responses` (bodies and SSE) and
+:mod:`router.adapters` (LoRA adapters: which model ids they are, loads and unloads).
 """
 
 # No "from __future__ import annotations": Serve rebuilds the route signatures and must see real types.
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -43,6 +46,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from replica.config.engine_config import EngineConfig
+from router.adapters import Adapters
 from router.body_checks import BodyChecks
 from router.choice_stream import ChoiceStream, cancel_all
 from router.config import IngressConfig
@@ -50,7 +54,7 @@ from router.delta_receiver import DeltaReceiver
 from router.errors import configure, install
 from router.fanout import Fanout
 from router.preparation import RequestPreparer
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.replica_view import ReplicaView
 from router.responses import EventStream, ResponseFormatter, sse_frames
 
@@ -103,9 +107,14 @@ class OpenAIIngress:
             (:meth:`~router.config.IngressConfig.ingress_fields`).
         engine: the replicas' engine settings as a dict (:class:`~replica.config.engine_config.EngineConfig`
             fields); the ingress reads ``model``, ``tokenizer`` and ``max_num_seqs``.
+        lora_registry: handle of the :class:`~router.lora_registry.LoRARegistry` deployment when
+            LoRA is on (``enable_lora``), else None.
     """
 
-    def __init__(self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any]) -> None:
+    def __init__(
+        self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any],
+        lora_registry: Optional[DeploymentHandle] = None,
+    ) -> None:
         from replica.config import load_tokenizer, resolve_model_path
         from replica.serve import log_through_serve, replica_id
         from router.metrics import IngressMetrics
@@ -119,7 +128,8 @@ class OpenAIIngress:
         self.metrics = IngressMetrics(model_name=self.model_name, replica=replica_id())
         configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self.replicas = ReplicaView(replica, seats=engine_config.max_num_seqs, waiting=self.config.max_waiting_requests)
-        self.checks = BodyChecks(self.config, self.model_name)
+        self.checks = BodyChecks(self.config)
+        self.adapters = Adapters(lora_registry, replica, self.config, self.model_name)
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
         self.fanout = Fanout(replica, self.replicas, DeltaReceiver() if self.config.batched_deltas else None)
         self.responses = ResponseFormatter(self.tokenizer)
@@ -168,8 +178,11 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        """The served model, with the replicas' ``max_model_len``."""
-        return {"object": "list", "data": [await self._model_card()]}
+        """The served model, with the replicas' ``max_model_len``, then each LoRA adapter (its
+        ``parent`` the served model, its ``root`` its folder, as vLLM lists them)."""
+        card = await self._model_card()
+        adapters = await self.adapters.adapters(fresh=True)
+        return {"object": "list", "data": [card, *self.adapters.cards(adapters, card["max_model_len"])]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> dict[str, Any]:
@@ -178,12 +191,32 @@ class OpenAIIngress:
         ``GET /v1/models/`` (an empty id) is the list, as ``GET /v1/models``.
 
         Raises:
-            OpenAIError: 404 ``model_not_found`` for any id but the served model's name.
+            OpenAIError: 404 ``model_not_found`` for any id but the served model's and its adapters'.
         """
         if not model_id:
             return await self.models()
-        self.checks.check_model(model_id)
-        return await self._model_card()
+        lora = await self.adapters.lora_request(model_id)
+        card = await self._model_card()
+        if lora is None:
+            return card
+        return self.adapters.cards({lora.lora_name: lora.lora_path}, card["max_model_len"])[0]
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict[str, Any]:
+        """vLLM's: serve the adapter in ``lora_path`` (inside a ``--lora-dir``) as the model
+        ``lora_name``; every ingress serves it from then on. Answers its card (as in
+        ``GET /v1/models``) with its ``rank`` and ``target_modules``; 400 naming the reason
+        otherwise (:meth:`router.adapters.Adapters.load`)."""
+        info = await self.adapters.load(body)
+        card = self.adapters.cards({info["name"]: info["path"]}, (await self.replicas.model_info())["max_model_len"])[0]
+        return {**card, "rank": info["rank"], "target_modules": info["target_modules"]}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> dict[str, Any]:
+        """vLLM's: stop serving the adapter ``lora_name`` (requests running with it finish with
+        it); 404 ``model_not_found`` for a name that is not a served adapter."""
+        path = await self.adapters.unload(body)
+        return {"id": body.lora_name, "object": "model", "root": path, "deleted": True}
 
     async def _model_card(self) -> dict[str, Any]:
         info = await self.replicas.model_info()
@@ -200,10 +233,11 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         """OpenAI's completions: one JSON body, or server-sent events with ``stream``."""
         self.fanout.admit()
+        lora = await self.adapters.lora_request(body.model)
         choices, param = self.checks.check_completion(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
-        prepared = await self.preparer.completion(body, await self.replicas.model_info())
+        prepared = await self.preparer.completion(body, await self.replicas.model_info(), lora)
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.completion_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
@@ -214,10 +248,11 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest):
         """OpenAI's chat completions: one JSON body, or server-sent events with ``stream``."""
         self.fanout.admit()
+        lora = await self.adapters.lora_request(body.model)
         choices, param = self.checks.check_chat(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
-        prepared = await self.preparer.chat(body, await self.replicas.model_info())
+        prepared = await self.preparer.chat(body, await self.replicas.model_info(), lora)
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.chat_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))

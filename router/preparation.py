@@ -18,6 +18,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
 from router.body_checks import parse_logit_bias
 from router.chat_template import ChatEncoder
@@ -55,6 +56,8 @@ class Prepared:
         created: Unix time (seconds) of the preparation.
         tool_plan: how a chat request uses its tools (:class:`~router.structured.ToolPlan`), or None.
         tool_parser: the format tool calls are parsed from in ``auto`` mode.
+        lora_request: the LoRA adapter every choice runs with (the request's ``model`` named
+            one; ``model`` is then the adapter's name), or None for the base model.
     """
 
     def __init__(self, request_id: str, model: str, prompts: list[list[int]], prompt_texts: list[str], params: list[list[SamplingParams]]):
@@ -66,6 +69,7 @@ class Prepared:
         self.created = int(time.time())
         self.tool_plan: ToolPlan | None = None
         self.tool_parser = "hermes"
+        self.lora_request: LoRARequest | None = None
 
     def jobs(self) -> list[tuple[int, int, list[int], SamplingParams]]:
         """(choice index, prompt index, prompt ids, params); choice index = prompt_index * n + j."""
@@ -112,9 +116,12 @@ class RequestPreparer:
         return await asyncio.get_running_loop().run_in_executor(self._constraint_threads, call)
 
     # ---- tokens and sampling parameters ----------------------------------------------------------
-    async def completion(self, body: CompletionRequest, info: dict[str, Any]) -> Prepared:
+    async def completion(
+        self, body: CompletionRequest, info: dict[str, Any], lora_request: LoRARequest | None = None
+    ) -> Prepared:
         """Tokenize a checked ``/v1/completions`` body (text prompts in a worker thread) and plan
-        its choices. ``info`` is the replicas' ``model_info()`` (``max_model_len``, ``vocab_size``).
+        its choices. ``info`` is the replicas' ``model_info()`` (``max_model_len``, ``vocab_size``);
+        ``lora_request`` the adapter the body's ``model`` names (None: the base model).
 
         Raises:
             OpenAIError: 400 for a prompt that does not fit or cannot be tokenized, or for
@@ -138,12 +145,15 @@ class RequestPreparer:
         default = max(DEFAULT_COMPLETION_TOKENS, body.min_tokens)
         constraint = await self._in_constraint_thread(constraint_of, body) if _constrained(body) else None
         return self._prepare(
-            "cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info, constraint=constraint
+            "cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info, constraint=constraint,
+            lora_request=lora_request,
         )
 
-    async def chat(self, body: ChatCompletionRequest, info: dict[str, Any]) -> Prepared:
+    async def chat(
+        self, body: ChatCompletionRequest, info: dict[str, Any], lora_request: LoRARequest | None = None
+    ) -> Prepared:
         """Apply the chat template to a checked ``/v1/chat/completions`` body and tokenize it (in
-        a worker thread), then plan its choices; ``info`` as in :meth:`completion`.
+        a worker thread), then plan its choices; ``info`` and ``lora_request`` as in :meth:`completion`.
 
         Raises:
             OpenAIError: 400 as :meth:`completion`, or when the chat template fails.
@@ -157,7 +167,7 @@ class RequestPreparer:
         default = info["max_model_len"]  # all the context leaves
         prepared = self._prepare(
             "chatcmpl", body, [ids], [""], max_tokens, default, logprobs, body.prompt_logprobs, info, param,
-            constraint=constraint,
+            constraint=constraint, lora_request=lora_request,
         )
         prepared.tool_plan, prepared.tool_parser = plan, self.tool_templates.parser
         return prepared
@@ -283,10 +293,12 @@ class RequestPreparer:
         info: dict[str, Any],
         max_tokens_param: str = "max_tokens",
         constraint: Any = None,
+        lora_request: LoRARequest | None = None,
     ) -> Prepared:
         """One SamplingParams per choice. An omitted ``max_tokens`` is ``default_max_tokens`` capped
         at what the context leaves after the prompt; an explicit one must fit. ``min_tokens`` must
-        fit under both (else 400 naming ``min_tokens``), and ``stop_token_ids`` in the vocabulary."""
+        fit under both (else 400 naming ``min_tokens``), and ``stop_token_ids`` in the vocabulary.
+        With ``lora_request``, the request runs with that adapter and answers as its model."""
         limit = info["max_model_len"]
         logit_bias = parse_logit_bias(body.logit_bias, info["vocab_size"])  # once, not once per choice
         for t in body.stop_token_ids or ():
@@ -344,7 +356,10 @@ class RequestPreparer:
                     raise sampling_error(exc) from None
             params.append(per_prompt)
         request_id = f"{kind}-{uuid.uuid4().hex}"
-        return Prepared(request_id, self.model_name, prompts, texts, params)
+        model = self.model_name if lora_request is None else lora_request.lora_name
+        prepared = Prepared(request_id, model, prompts, texts, params)
+        prepared.lora_request = lora_request
+        return prepared
 
 
 def _constrained(body: _SamplingRequest) -> bool:

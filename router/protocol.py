@@ -235,3 +235,21 @@ class ChatCompletionRequest(_SamplingRequest):
         None, description="'none', 'auto' (default with tools), 'required', or {'type': 'function', 'function': {'name': ...}}.",
     )
     parallel_tool_calls: StrictBool = Field(True, description="False: at most one tool call per reply.")
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the adapter in ``lora_path`` as the model
+    ``lora_name``. vLLM's other fields (``lora_int_id``, ``load_inplace``) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr = Field(..., min_length=1, max_length=256, description="The model id clients will send.")
+    lora_path: StrictStr = Field(..., min_length=1, max_length=4096, description="The adapter's folder on the replicas' nodes.")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body): stop serving the adapter ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: StrictStr = Field(..., min_length=1, max_length=256, description="The adapter's model id.")

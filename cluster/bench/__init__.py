@@ -11,6 +11,9 @@
   a local app, side by side: what HTTP and Serve cost.
 * ``carpool bench profile`` (:mod:`cluster.bench.profile`): where a step's time goes (torch
   profiler), by phase and by operator.
+* ``carpool bench lora-routing`` (:mod:`cluster.bench.lora_routing`, its adapters and workload in
+  :mod:`cluster.bench.lora_workload`): adapter-aware vs seat-only routing of LoRA requests on a
+  served app; adapter loads per request, the split over replicas, tok/s.
 * :data:`bench_app`: the typer group to attach to the ``carpool`` command.
 
 Modules: ``workloads`` (what is run), ``input_grounded`` (the ``input-grounded`` workload: answers

@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline|prefix|serve|overhead|profile`` (also ``python -m cluster.bench ...``).
+"""The ``bench`` command group (typer): ``carpool bench offline|prefix|serve|overhead|profile|spec|lora|lora-routing`` (also ``python -m cluster.bench ...``).
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -16,7 +16,7 @@ from replica.serve import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead).",
+    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead); adapter-aware vs seat-only routing of LoRA requests (lora-routing).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -273,6 +273,73 @@ def spec(
         model=model, dtype=dtype, seats=seat_counts, workloads=names, num_requests=num_requests, threads=threads,
         speculative_config=_speculative_config(speculative_config), compile=compile, json_path=json_path, device=device,
     )
+
+
+@bench_app.command("lora")
+def lora(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option("cpu", help="cpu, cuda or cuda:N."),
+    seats: str = typer.Option("32", help="Comma-separated seat counts (max_num_seqs), one pair of engines each."),
+    adapters: int = typer.Option(4, min=1, help="Random adapters mixed with the base model (max_loras)."),
+    rank: int = typer.Option(16, min=1, help="Their rank (max_lora_rank)."),
+    num_requests: int = typer.Option(64, min=1, help="Requests per run (at least twice the seats)."),
+    threads: int = typer.Option(1, min=1, help="torch threads."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """LoRA adapters mixed with base requests against the base model alone (seed mix): tok/s, and a run-time load's cost."""
+    from cluster.bench.lora_bench import lora_main
+
+    try:
+        seat_counts = [int(s) for s in seats.split(",")]
+    except ValueError:
+        _fail(f"--seats must be comma-separated integers, got {seats!r}")
+    lora_main(
+        model=model, dtype=dtype, seats=seat_counts, num_adapters=adapters, rank=rank, num_requests=num_requests,
+        threads=threads, compile=compile, json_path=json_path, device=device,
+    )
+
+
+@bench_app.command("lora-routing")
+def lora_routing(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder of the base model (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    replicas: int = typer.Option(2, min=1, help="Replicas of the served app."),
+    max_num_seqs: int = typer.Option(8, "--max-num-seqs", "--seats", min=1, help="Seats per replica."),
+    max_loras: int = typer.Option(2, min=1, help="LoRA device slots per replica."),
+    adapters: int = typer.Option(8, min=1, help="Random adapters made with peft and served."),
+    rank: int = typer.Option(8, min=1, help="The adapters' rank."),
+    num_requests: int = typer.Option(96, "--num-requests", "-n", min=1, help="Requests per mode."),
+    hot: int = typer.Option(2, min=0, help="Hot adapters: together they draw --hot-fraction of the requests."),
+    hot_fraction: float = typer.Option(0.6, min=0.0, max=1.0, help="The hot adapters' share of the requests."),
+    max_tokens: int = typer.Option(16, min=1, help="Mean output tokens of a request: each draws from half to 1.5 times it (greedy, ignore_eos)."),
+    concurrency: int = typer.Option(8, min=1, help="Clients sending requests in a closed loop."),
+    seed: int = typer.Option(0, help="Seed of the adapters' weights and of the requests' adapters."),
+    modes: List[str] = typer.Option(["aware", "seat-only"], "--mode", help="aware (lora_aware_routing on) and/or seat-only (off); repeat for both (default: both)."),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the model."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV cache budget per replica, bytes or with a unit (default: 1 GiB on CPU)."),
+    adapter_dir: Optional[Path] = typer.Option(None, help="Write the adapters here and keep them (default: a temporary folder)."),
+    timeout: Optional[float] = typer.Option(None, help="Bound on each mode's run in seconds."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Adapter-aware vs seat-only routing of LoRA requests on a local app: adapter loads per request, the split over replicas, tok/s."""
+    from cluster.bench.lora_routing import lora_routing_main
+    from cluster.config import parse_bytes
+
+    try:
+        kv_bytes = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+    except ValueError as exc:
+        _fail(f"--kv-cache-memory: {exc}")
+    try:
+        lora_routing_main(
+            model=model, dtype=dtype, replicas=replicas, max_num_seqs=max_num_seqs, max_loras=max_loras,
+            num_adapters=adapters, rank=rank, num_requests=num_requests, hot=hot, hot_fraction=hot_fraction,
+            max_tokens=max_tokens, concurrency=concurrency, seed=seed, compile=compile, kv_cache_memory=kv_bytes,
+            modes=tuple(modes), adapter_dir=adapter_dir, timeout=timeout, json_path=json_path,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def _speculative_config(text: str | None) -> dict | None:

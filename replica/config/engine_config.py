@@ -171,6 +171,18 @@ class EngineConfig(BaseModel):
             "the model would produce are kept; steps then run synchronously (no async scheduling)."
         ),
     )
+    enable_lora: bool = Field(
+        False,
+        description=(
+            "Serve LoRA adapters (PEFT format) on this base model: a request names its adapter "
+            "(LoRARequest; served: its model), and one step mixes adapters and the base model."
+        ),
+    )
+    max_loras: int = Field(4, ge=1, le=64, description="LoRA: adapters on the device at once (LRU slots).")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="LoRA: the largest adapter rank served.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA: adapters kept in host memory (LRU, read again when needed); default max_loras."
+    )
     enable_fault_injection: bool = Field(
         False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
     )
@@ -180,4 +192,8 @@ class EngineConfig(BaseModel):
         check_dtype_name(self.dtype)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: serve adapters at tensor_parallel_size 1")
         return self

@@ -28,6 +28,7 @@ def make_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     max_model_len: int,
+    max_loras: int | None = None,
 ) -> Scheduler:
     """The scheduler of ``policy`` over ``block_manager`` (the other arguments: :class:`Scheduler`'s).
 
@@ -41,4 +42,5 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        max_loras=max_loras,
     )

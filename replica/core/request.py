@@ -14,6 +14,7 @@ from typing import Any
 
 from replica.protocol.constraints import DEAD_END
 from replica.protocol.outputs import EngineOutput, FinishReason, TokenLogprobs
+from replica.protocol.prefix_hash import ROOT
 from replica.protocol.sampling_params import SamplingParams
 
 
@@ -71,6 +72,13 @@ class Request:
     # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids.
     # num_computed_tokens already counts the positions that step computes (Scheduler.advance).
     num_pending: int = 0
+    # LoRA: the request's adapter (replica.lora.adapter.LoRAAdapter), or None for the base model.
+    lora: Any = None
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent digest of the request's first block hash: its adapter's, else the base model's."""
+        return ROOT if self.lora is None else self.lora.request.hash_root
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 from replica.core.block_manager import BlockManager
 from replica.core.drafts import roll_back
+from replica.core.lora_limit import LoRAAdmission, running_loras
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from replica.protocol.outputs import FinishReason
@@ -45,15 +46,19 @@ class Scheduler:
         max_num_seqs: seats in the batch (running requests at most).
         max_num_batched_tokens: tokens computed per step at most (the token budget).
         max_model_len: prompt + output tokens per request at most.
+        max_loras: LoRA: distinct adapters among running requests at most (a waiting request of
+            another adapter is passed over until one of them has no running request); None: no LoRA.
     """
 
     POLICY: ClassVar[str] = "continuous"  # EngineConfig.scheduling_policy
     SUPPORTS_ASYNC_SCHEDULING: ClassVar[bool] = True  # may a step be scheduled before the last is read
 
     def __init__(
-        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+        max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -178,6 +183,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        if self.max_loras is not None:
+            out.active_loras = running_loras(self.running)
         if out.scheduled:
             self.step_count += 1
         return out
@@ -218,16 +225,23 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Hook: admit waiting requests into ``out``, FCFS, while seats, ``budget`` and blocks allow
-        (called only when no request was preempted this step: ``running`` is as the step found it)."""
-        while self.waiting and budget > 0 and self.num_seats_taken < self.max_num_seqs:
-            request = self.waiting[0]
+        (called only when no request was preempted this step: ``running`` is as the step found it).
+        A request whose adapter would exceed ``max_loras`` is passed over, keeping its place."""
+        index = 0
+        loras = LoRAAdmission(self.running, self.max_loras)
+        while index < len(self.waiting) and budget > 0 and self.num_seats_taken < self.max_num_seqs:
+            request = self.waiting[index]
+            if loras.blocked(request):
+                index += 1
+                continue
             cached = self._cached_prefix(request)
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
             target = start + num_new
             if not self.block_manager.can_allocate(request.request_id, target, cached or ()):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            loras.admit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._allocate(request, target, cached)
@@ -272,7 +286,7 @@ class Scheduler:
         """Make ``request.block_hashes`` cover at least its first ``num_blocks`` full blocks (lazily:
         the sequence is copied only when a block is missing)."""
         if len(request.block_hashes) < num_blocks:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_manager.block_size)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_manager.block_size, request.hash_root)
 
     def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
         """Grow ``request``'s blocks to ``num_tokens`` tokens, starting from the ``cached`` prefix

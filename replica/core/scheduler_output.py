@@ -55,6 +55,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     newly_cached: list[int] = field(default_factory=list)  # blocks registered for this step to fill
+    # LoRA: the adapters of the running requests (the runner keeps them in their slots).
+    active_loras: list = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -13,6 +13,7 @@ the next one is scheduled.
 
 from __future__ import annotations
 
+from replica.core.lora_limit import LoRAAdmission
 from replica.core.request import Request, RequestStatus
 from replica.core.scheduler import Scheduler
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -87,11 +88,13 @@ class StaticBatchScheduler(Scheduler):
         if self.running:
             return
         super()._admit_waiting(out, budget)
+        loras = LoRAAdmission(self.running, self.max_loras)
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if not self.block_manager.can_allocate(request.request_id, request.num_tokens):
+            if loras.blocked(request) or not self.block_manager.can_allocate(request.request_id, request.num_tokens):
                 break
             self.waiting.popleft()
+            loras.admit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 

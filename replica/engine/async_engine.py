@@ -28,11 +28,13 @@ from typing import Any
 from replica.config.engine_config import EngineConfig
 from replica.core.request import Request
 from replica.engine.llm_engine import LLMEngine
+from replica.engine.lora_support import check_lora_request
 from replica.engine.metrics import EngineMetrics
 from replica.engine.stats import EngineStats
 from replica.engine.thread_priority import lower_thread_priority
 from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
 from replica.protocol.outputs import EngineOutput, merge_queued
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -179,15 +181,16 @@ class AsyncLLMEngine:
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Queue a request and yield its deltas until it finishes. Deltas that pile up while the
-        caller is busy come out merged into one.
+        """Queue a request (with ``lora_request``: run with that adapter) and yield its deltas
+        until it finishes. Deltas that pile up while the caller is busy come out merged into one.
 
         Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
         Closing or cancelling the iterator early aborts the request inside the engine.
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        request = await self._submit(request_id, prompt, prompt_token_ids, sampling_params, stream)
+        request = await self._submit(request_id, prompt, prompt_token_ids, sampling_params, stream, lora_request)
         finished = False
         try:
             while True:
@@ -212,6 +215,7 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None,
         on_output: Callable[[EngineOutput], None],
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request and call ``on_output(delta)`` with each of its deltas, on this event
         loop, as the engine steps; return once the last one (``finished``) was passed on.
@@ -226,7 +230,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         sink = _Sink(on_output, loop.create_future())
-        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, _Stream(loop, sink))
+        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, _Stream(loop, sink), lora_request)
         finished = False
         try:
             await sink.done
@@ -256,17 +260,19 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None,
         sampling_params: SamplingParams | None,
         stream: "_Stream",
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Make the request, register its stream and queue it for the loop thread.
 
         Raises ``ValueError`` (bad input or a request id in use) or :class:`EngineDeadError`."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
-        if sampling_params is not None and sampling_params.structured_outputs is not None:
-            # Compiling a new constraint may take milliseconds: not on this event loop.
-            request = await asyncio.to_thread(self.engine.make_request, request_id, prompt, prompt_token_ids, sampling_params)
+        args = (request_id, prompt, prompt_token_ids, sampling_params, None, lora_request)
+        if lora_request is not None or (sampling_params is not None and sampling_params.structured_outputs is not None):
+            # Compiling a new constraint, or reading an adapter, may take milliseconds: not on this event loop.
+            request = await asyncio.to_thread(self.engine.make_request, *args)
         else:
-            request = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling_params)
+            request = self.engine.make_request(*args)
         stream.request = request
         with self._streams_lock:
             if request.request_id in self._streams:
@@ -274,6 +280,23 @@ class AsyncLLMEngine:
             self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         return request
+
+    # ---- LoRA -------------------------------------------------------------------------------------
+    def check_lora(self, lora_request: LoRARequest) -> dict[str, Any]:
+        """Read and check an adapter (it stays in host memory for the requests that follow):
+        ``{"name", "path", "rank", "target_modules"}``. Thread-safe; reads files (call it off the
+        event loop). Raises ``LoRAAdapterError`` naming the reason (or that LoRA is not enabled)."""
+        adapter = check_lora_request(self.engine.lora, lora_request)
+        return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
+                "target_modules": adapter.target_modules}
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """:meth:`LLMEngine.remove_lora <replica.engine.llm_engine.LLMEngine.remove_lora>` (thread-safe)."""
+        return self.engine.remove_lora(lora_name)
+
+    def lora_stats(self) -> dict[str, Any] | None:
+        """:meth:`LLMEngine.lora_stats <replica.engine.llm_engine.LLMEngine.lora_stats>` (thread-safe)."""
+        return self.engine.lora_stats()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its seat and blocks are free before the next step."""

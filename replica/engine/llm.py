@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from replica.config.engine_config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import CompletionOutput, RequestOutput
 from replica.protocol.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
@@ -56,8 +58,10 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default: vLLM's defaults).
             prompt_token_ids: token id prompts, instead of ``prompts``.
             use_tqdm: show a progress bar of finished requests.
+            lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model).
         Raises:
-            ValueError: a bad prompt or parameter (nothing is queued then).
+            ValueError: a bad prompt or parameter, an adapter that cannot be used
+                (``LoRAAdapterError``); nothing is queued then.
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
@@ -71,16 +75,23 @@ class LLM:
             if len(params_list) != len(items):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
 
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(items)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(items)} prompts")
+
         engine = self.engine
         requests = []  # (prompt index, sequence index, Request)
-        for i, (item, params) in enumerate(zip(items, params_list)):
+        for i, (item, params, lora) in enumerate(zip(items, params_list, loras)):
             for j in range(params.n):
                 seq_params = params
                 if params.n > 1:
                     seed = None if params.seed is None else params.seed + j
                     seq_params = dataclasses.replace(params, n=1, seed=seed)
                 text, ids = (item, None) if prompts is not None else (None, item)
-                requests.append((i, j, engine.make_request(None, text, ids, seq_params)))
+                requests.append((i, j, engine.make_request(None, text, ids, seq_params, None, lora)))
         for _, _, request in requests:
             engine.add_prepared_request(request)
 

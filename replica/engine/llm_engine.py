@@ -24,12 +24,14 @@ from replica.core.block_manager import BlockManager
 from replica.core.policies import make_scheduler
 from replica.core.request import Request
 from replica.core.scheduler_output import SchedulerOutput
+from replica.engine.lora_support import EngineLoRA, check_lora_request, runner_lora
 from replica.engine.metrics import EngineMetrics
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.request_builder import build_request, eos_token_ids
 from replica.engine.stats import EngineStats, SpecDecodeStats
 from replica.engine.step_failures import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, fail_request, fail_step
 from replica.protocol.outputs import EngineOutput, FinishReason
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import GrammarCompiler
 from replica.spec_decode import make_speculator
@@ -68,11 +70,13 @@ class LLMEngine:
             kv_cache_memory=cfg.kv_cache_memory, gpu_memory_utilization=cfg.gpu_memory_utilization,
             attention_backend=cfg.attention_backend, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
             max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size, launch_ranks=launch_ranks,
+            lora=runner_lora(cfg),
         )
         try:
             self.max_model_len = decide_max_model_len(
                 cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size)
             self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
+            self.lora = EngineLoRA(cfg, self.runner) if cfg.enable_lora else None
             self.scheduler = self._make_scheduler(cfg.scheduling_policy)
             self.vocab_size = self.runner.vocab_size
             self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
@@ -107,16 +111,22 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and build a :class:`Request` without touching engine state (thread-safe).
+        With ``lora_request``, the request runs with that adapter (read from its folder the first
+        time the engine sees it).
 
         Raises:
             ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id
                 outside the vocabulary, ``prompt`` too long for ``max_model_len``, bad
-                ``sampling_params``.
+                ``sampling_params``; ``LoRAAdapterError`` (a ``ValueError``): the adapter cannot
+                be used, or LoRA is not enabled.
         """
         try:
-            return self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+            request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+            request.lora = check_lora_request(self.lora, lora_request)
+            return request
         except ValueError:
             if self.metrics is not None:
                 self.metrics.on_rejected()
@@ -137,9 +147,10 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate (see :meth:`make_request`) and queue a request; returns it."""
-        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time, lora_request)
         self.add_prepared_request(request)
         return request
 
@@ -185,7 +196,8 @@ class LLMEngine:
     def _make_scheduler(self, policy: str):
         cfg = self.config
         return make_scheduler(policy, self.block_manager, max_num_seqs=cfg.max_num_seqs,
-                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
+                              max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
+                              max_loras=cfg.max_loras if cfg.enable_lora else None)
 
     def set_scheduling_policy(self, policy: str) -> None:
         """Schedule with ``policy`` (``"continuous"`` or ``"static"``; benchmarks run each in turn on
@@ -353,6 +365,7 @@ class LLMEngine:
         """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
         aborted request), and set the metrics' gauges from it."""
         self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
+        self._lora_stats = self.lora.snapshot(self.scheduler) if self.lora is not None else None
         if self.metrics is not None:
             self.metrics.on_state(
                 num_slots=stats.num_slots, num_running=stats.num_running, num_waiting=stats.num_waiting,
@@ -371,6 +384,18 @@ class LLMEngine:
         """The engine's load after its latest change (step, add or abort). An immutable snapshot,
         so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
         return self._stats
+
+    def lora_stats(self) -> dict | None:
+        """LoRA's state (:meth:`EngineLoRA.snapshot <replica.engine.lora_support.EngineLoRA.snapshot>`;
+        None without LoRA); thread-safe: requests and slots as of the engine's latest change, the
+        adapters in host memory as of now."""
+        stats = self._lora_stats
+        return None if stats is None else {**stats, "cached": self.lora.registry.names()}
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget the adapter(s) named ``lora_name`` from host memory (thread-safe); requests
+        holding one keep it. Returns whether one was known (False without LoRA)."""
+        return self.lora is not None and self.lora.registry.remove(lora_name)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing at TP 1; idempotent)."""

@@ -3,7 +3,15 @@
 Names carry the ``carpool:`` prefix and vLLM's semantics where the name is shared, so that habits
 and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_name`` and
 ``replica`` on every series, ``finished_reason`` on ``request_success_total``, ``position`` on
-``spec_decode_num_accepted_tokens_per_pos_total``.
+``spec_decode_num_accepted_tokens_per_pos_total``, ``adapter`` on ``lora_requests_running`` and
+``lora_requests_waiting``.
+
+LoRA: one series per adapter name, for the adapters the engine knows (in host memory, or with
+requests running or waiting), removed when it forgets one (unloaded, or evicted from host memory,
+and its last request gone), so their number stays bounded by the engine's own; never a list of names packed into one
+label value (vLLM's ``vllm:lora_requests_info``), which makes a new series for every combination.
+They are set from the engine's ``lora_stats()`` (:meth:`EngineMetrics.on_lora_stats`), which the
+Serve replica calls when ``/metrics`` is scraped.
 
 Each engine gets its own :class:`EngineMetrics` over its own ``CollectorRegistry``; a replica
 exports that registry's text and the ingress merges all replicas' text into one ``/metrics``.
@@ -114,6 +122,21 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Of the verified draft tokens, those accepted (kept in the output)."
         )
+        # LoRA adapters (stay at 0 without LoRA; see on_lora_stats)
+        self._lora_running = Gauge(
+            "carpool:lora_requests_running", "Requests running with a LoRA adapter, by adapter.", names + ["adapter"], registry=r
+        )
+        self._lora_waiting = Gauge(
+            "carpool:lora_requests_waiting",
+            "Requests with a LoRA adapter waiting (for a seat, or for a device slot for their adapter), by adapter.",
+            names + ["adapter"], registry=r,
+        )
+        self.lora_adapters_loaded = gauge("lora_adapters_loaded", "LoRA adapters in device slots (at most max_loras).")
+        self.lora_adapter_loads = counter(
+            "lora_adapter_loads", "LoRA adapters loaded into a device slot (a miss: the adapter was not in a slot)."
+        )
+        self._lora_adapters: set[str] = set()  # adapters with series now
+        self._lora_loads_seen = 0  # the engine's num_slot_loads counted so far
         self._accepted_per_pos = Counter(
             "carpool:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by draft position (label position, 0-based).",
@@ -171,6 +194,25 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
         for position, accepted in enumerate(accepted_per_position):
             self._accepted_per_pos.labels(**self.labels, position=str(position)).inc(accepted)
+
+    def on_lora_stats(self, stats: dict) -> None:
+        """Set the LoRA series from the engine's ``lora_stats()``: ``loaded`` and ``cached`` (adapter
+        names), ``running`` and ``waiting`` (``{name: requests}``), ``num_slot_loads`` (since start).
+        An adapter the engine no longer knows (not in host memory, no request) loses its series."""
+        running, waiting = stats.get("running") or {}, stats.get("waiting") or {}
+        known = set(stats.get("cached") or ()) | set(running) | set(waiting)
+        for name in self._lora_adapters - known:
+            self._lora_running.remove(*self.labels.values(), name)
+            self._lora_waiting.remove(*self.labels.values(), name)
+        for name in known:
+            self._lora_running.labels(**self.labels, adapter=name).set(running.get(name, 0))
+            self._lora_waiting.labels(**self.labels, adapter=name).set(waiting.get(name, 0))
+        self._lora_adapters = known
+        self.lora_adapters_loaded.set(len(stats.get("loaded") or ()))
+        loads = int(stats.get("num_slot_loads") or 0)
+        if loads > self._lora_loads_seen:
+            self.lora_adapter_loads.inc(loads - self._lora_loads_seen)
+            self._lora_loads_seen = loads
 
     def on_first_scheduled(self, queue_time_s: float) -> None:
         self.request_queue_time.observe(queue_time_s)

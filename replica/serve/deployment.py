@@ -11,6 +11,13 @@ KV blocks are free before the next engine step.
 The request router (``router/routing/policy.py``) ranks replicas by what :meth:`record_routing_stats`
 reports; Serve's controller polls it every ``request_routing_stats_period_s``.
 
+LoRA (``enable_lora``): a request may carry a ``LoRARequest``; the engine reads that adapter's
+files the first time it sees it. This class checks an adapter once, off the event loop
+(:meth:`LLMReplica.check_lora` in a worker thread), before the first request that names it is
+admitted, so a bad adapter is the caller's error before anything streams, and no file is read on
+the event loop. The engine's LoRA state reaches Prometheus when ``/metrics`` is scraped
+(:meth:`LLMReplica.metrics_text`).
+
 All engine state lives on the engine's loop thread; this class only reads the engine's stats
 snapshot (safe from any thread) and talks to the loop through ``generate``.
 """
@@ -20,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
 from replica.protocol.errors import ReplicaOverloadedError
+from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
 from replica.protocol.sampling_params import SamplingParams
 from replica.serve.delta_channel import DeltaChannels
@@ -33,6 +42,10 @@ from replica.serve.logs import log_refusals_in_one_line, log_through_serve
 from replica.serve.replica_info import node_ip, replica_id
 
 logger = logging.getLogger(__name__)
+
+MAX_CHECKED_LORAS = 1024
+"""Adapters (name, folder) this replica remembers having checked, at most (least recent dropped:
+such an adapter is checked again on its next request)."""
 
 
 class LLMReplica:
@@ -75,6 +88,7 @@ class LLMReplica:
         self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
+        self._checked_loras: OrderedDict[tuple[str, str], None] = OrderedDict()  # see _check_lora_once
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
@@ -91,8 +105,10 @@ class LLMReplica:
         sampling_params: SamplingParams,
         announce: bool = False,
         channel: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput | tuple[str, int] | None]:
-        """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas.
+        """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas;
+        with ``lora_request``, under that LoRA adapter (keyword: the request router reads it).
 
         With ``announce``, the first item is ``None`` as soon as the request is admitted, so that a
         streaming caller learns of a refusal before it starts its response.
@@ -107,6 +123,8 @@ class LLMReplica:
         Raises:
             ReplicaOverloadedError: the replica already holds ``max_num_seqs +
                 max_waiting_requests`` requests; nothing is queued.
+            replica.protocol.errors.LoRAAdapterError: the adapter cannot be used (or LoRA is
+                off); nothing is queued, nothing was yielded.
             ValueError: the request cannot be served (token outside the vocabulary, prompt
                 not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
             replica.protocol.errors.RequestFailedError: an internal error ended this request
@@ -124,6 +142,10 @@ class LLMReplica:
         self._inflight += 1
         self._num_requests += 1
         try:
+            lora = {}
+            if lora_request is not None:
+                await self._check_lora_once(lora_request)
+                lora = {"lora_request": lora_request}
             if channel is not None and announce:
                 address = await self.channels.address()
                 sink = self.channels.acquire(channel, request_id)
@@ -132,7 +154,7 @@ class LLMReplica:
                     try:
                         await self.engine.run(
                             request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
-                            on_output=lambda delta: sink.put(request_id, delta),
+                            on_output=lambda delta: sink.put(request_id, delta), **lora,
                         )
                     except Exception as exc:  # ends this request: its ingress learns it in order
                         sink.put(request_id, exc)
@@ -145,7 +167,7 @@ class LLMReplica:
             # went away), engine.generate is closed at once, which queues the engine's abort,
             # rather than whenever the event loop finalizes it.
             async with aclosing(
-                self.engine.generate(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+                self.engine.generate(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params, **lora)
             ) as deltas:
                 async for delta in deltas:
                     yield delta
@@ -159,21 +181,78 @@ class LLMReplica:
             self.engine.abort(request_id)
 
     async def generate_all(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> EngineOutput:
         """Run one request to the end and return its whole output as one :class:`EngineOutput`
-        (all tokens, text and logprobs; ``finished=True``).
+        (all tokens, text and logprobs; ``finished=True``); ``lora_request`` as in :meth:`generate`.
 
         For non-streaming callers: one message per request instead of one per token. Errors as
         :meth:`generate`; cancelling the call aborts the request.
         """
         whole: EngineOutput | None = None
-        async for delta in self.generate(request_id, prompt_token_ids, sampling_params):
+        async for delta in self.generate(request_id, prompt_token_ids, sampling_params, lora_request=lora_request):
             whole = delta if whole is None else whole.merged(delta)
         assert whole is not None and whole.finished
         if sampling_params.logprobs is not None and whole.new_logprobs is None:
             whole.new_logprobs = []
         return whole
+
+    # ---- LoRA adapters -------------------------------------------------------------------------
+    async def check_lora(self, lora_request: LoRARequest) -> dict[str, Any]:
+        """Read and check an adapter (in a worker thread: it reads files) and keep it in host
+        memory. Returns ``{"name", "path", "rank", "target_modules"}``.
+
+        Raises:
+            replica.protocol.errors.LoRAAdapterError: the adapter cannot be used (missing files,
+                not LoRA, rank above ``max_lora_rank``, modules or shapes that do not fit the
+                base model, LoRA off); the message names the reason.
+        """
+        info = await asyncio.to_thread(self.engine.check_lora, lora_request)
+        self._remember_checked(lora_request.key)
+        return info
+
+    async def _check_lora_once(self, lora_request: LoRARequest) -> None:
+        """:meth:`check_lora` the first time this replica sees an adapter (name, folder), so that
+        its files are read off the event loop and a refusal comes before admission."""
+        if lora_request.key in self._checked_loras:
+            self._checked_loras.move_to_end(lora_request.key)
+            return
+        await self.check_lora(lora_request)
+
+    def _remember_checked(self, key: tuple[str, str]) -> None:
+        self._checked_loras[key] = None
+        self._checked_loras.move_to_end(key)
+        while len(self._checked_loras) > MAX_CHECKED_LORAS:
+            self._checked_loras.popitem(last=False)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Forget the adapter(s) named ``lora_name`` from host memory (requests running with one
+        keep it; a later request that names it reads it again). Returns whether one was known."""
+        for key in [k for k in self._checked_loras if k[0] == lora_name]:
+            del self._checked_loras[key]
+        if not self.config.enable_lora:
+            return False
+        removed = self.engine.remove_lora(lora_name)
+        self._refresh_lora_metrics()
+        return removed
+
+    async def lora_stats(self) -> dict[str, Any]:
+        """The engine's adapters: ``max_loras``, ``loaded`` (names in device slots), ``cached``
+        (names in host memory), ``running`` and ``waiting`` (``{name: requests}``),
+        ``num_slot_loads`` (loads into a device slot since start). Empty lists and counts when LoRA
+        is off."""
+        return self._lora_stats()
+
+    def _lora_stats(self) -> dict[str, Any]:
+        stats = self.engine.lora_stats() if self.config.enable_lora else None
+        if stats is None:
+            return {"max_loras": 0, "loaded": [], "cached": [], "running": {}, "waiting": {}, "num_slot_loads": 0}
+        return stats
+
+    def _refresh_lora_metrics(self) -> None:
+        if self.config.enable_lora:
+            self.metrics.on_lora_stats(self._lora_stats())
 
     async def model_info(self) -> dict[str, Any]:
         """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
@@ -182,7 +261,8 @@ class LLMReplica:
 
     async def metrics_text(self) -> str:
         """This replica's ``carpool:*`` series in the Prometheus text format (the ingress merges
-        every replica's into ``GET /metrics``)."""
+        every replica's into ``GET /metrics``); the LoRA series are refreshed from the engine first."""
+        self._refresh_lora_metrics()
         return self.metrics.exposition().decode()
 
     # ---- load, health, integrity -------------------------------------------------------------
@@ -207,6 +287,7 @@ class LLMReplica:
             "num_requests": self._num_requests,
             "pid": os.getpid(),
             "healthy": self.engine.is_alive and self._wedged_for() is None,
+            "lora_loaded": self._lora_stats()["loaded"],
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -219,7 +300,8 @@ class LLMReplica:
         (tokens since start), ``num_cached_blocks``, ``inflight`` (requests this replica is streaming),
         ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
         ``pid`` (the replica's process id), ``healthy`` (False when the engine loop is dead or
-        wedged: the router then sends requests elsewhere until Serve replaces this replica).
+        wedged: the router then sends requests elsewhere until Serve replaces this replica),
+        ``lora_loaded`` (names of the LoRA adapters in device slots; adapter-aware routing).
         """
         return self._stats_dict()
 

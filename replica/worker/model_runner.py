@@ -42,6 +42,8 @@ from replica.attention.selector import make_backend
 from replica.config.engine_config import cache_dir
 from replica.config.model_files import check_tp_size
 from replica.core.scheduler_output import SchedulerOutput
+from replica.lora.layers import wrap_forwards
+from replica.lora.slots import make_slots
 from replica.sample.sampler import cpu_inversion
 from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
@@ -82,6 +84,8 @@ class ModelRunner:
         tensor_parallel_size: ranks the model is sharded over (:mod:`replica.worker.parallel`);
             with more than one, this runner is rank 0 and starts the others with ``launch_ranks``
             (:func:`~replica.worker.tp_launch.start_ranks`), unless ``tp`` says it is one of them.
+        lora: ``(max_loras, max_lora_rank, max step tokens)`` to serve LoRA adapters
+            (:mod:`replica.lora`): every linear layer of the decoder layers gets slots.
     Raises:
         ValueError: an unknown or unavailable attention backend; a ``tensor_parallel_size`` the
             model's heads do not split over.
@@ -102,6 +106,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
+        lora: tuple[int, int, int] | None = None,
         launch_ranks=None,
         tp: TPGroup | None = None,
     ) -> None:
@@ -127,6 +132,7 @@ class ModelRunner:
             self.hf_config = self.model.config
             self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
             tp_layers = localize(self.model) if tp is not None else []
+            self.lora = make_slots(self.model, max_loras=lora[0], max_rank=lora[1], max_tokens=lora[2]) if lora else None
             shape = self.shape
             per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
             graph_reserve = graph_memory_reserve(
@@ -158,6 +164,8 @@ class ModelRunner:
             if self.device.type == "cpu":
                 cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
             self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
+            if self.lora is not None:
+                wrap_forwards(self.lora.modules)
             if tp_layers:  # on CPU the row-wise layers sum through shared memory where it serves
                 hidden_bytes = self.hf_config.get_text_config().hidden_size * self.dtype.itemsize
                 self.reducer = shared_reducer(tp, hidden_bytes) if self.device.type == "cpu" else None
@@ -317,6 +325,8 @@ class ModelRunner:
                 if previous is None:
                     raise RuntimeError("a row takes its input token from a step in flight, but none is")
                 patch = previous.inputs_for(out.scheduled, inputs.sequences.query_start, self.device)
+            if self.lora is not None:
+                self.lora.prepare([s.request.lora for s in out.scheduled], inputs.sequences.query_lens, out.active_loras)
         return out, inputs, self.forward(inputs, patch)
 
     @torch.inference_mode()

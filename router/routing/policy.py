@@ -54,10 +54,32 @@ Serve confirms the replica (``on_request_routed``). Rules, in order:
 * ties on the longest match: power of two choices among the tied replicas; no match that counts
   (or no prompt: other calls, prompts shorter than a block): power of two choices as above.
 
+**Adapter-aware routing** (``lora_aware=True``, the default). A LoRA request (its replica call
+carries a ``lora_request``) prefers, among the replicas of the best tier (a free seat) within the
+same imbalance bound, those that hold its adapter in a device slot most surely
+(:class:`~router.routing.lora_affinity.LoRAAffinity`: first where this router has requests of it
+in flight, counted from the moment it chose their replica; then where its record of the last
+``max_loras`` distinct adapters it sent to each replica, or the replica's own report, has it);
+cache-aware routing then applies among them, on prompt hashes chained from the adapter's own root
+(``LoRARequest.hash_root``, as the replica hashes them). A replica that must load the adapter
+first pays for it, and may have to wait until one of its slots is free of running requests; so a
+request follows its adapter unless that replica is past the imbalance bound, and a hot adapter
+spreads to a second replica once the first is loaded. Nobody holding it: a replica with a slot that
+none of this router's requests in flight uses (so the adapter is loaded at once, and evicts no
+adapter in use), else the load decides.
+
+Why not Serve's model multiplexing (``@serve.multiplexed``, ``multiplexed_model_id``), which
+routes by model id: its router would rank replicas by which ids they hold alone, bypassing this
+router's free seats, KV room and prefix ranking, and it loads models inside the deployment's own
+code per id, while here the engine loads adapters itself, per request, and the seat and KV ranking
+must stay first.
+
 With several ingress replicas, each router keeps its own record and sees only its own traffic.
 Serve hands a chosen replica to the oldest pending request (``FIFOMixin``), which, when several
 requests are being routed at once, may not be the one it was chosen for; the record follows where
-each request really went (``on_request_routed``). Matching by request id instead (Serve's
+each request really went (``on_request_routed``). A replica chosen for a LoRA request goes to the
+oldest pending request of the same adapter instead (:meth:`CarpoolRequestRouter._get_pending_request_matching_metadata`),
+so that a replica chosen for holding an adapter serves that adapter. Matching by request id instead (Serve's
 default) left fanned-out requests (``n`` > 1) unrouted in Ray 2.60, spinning the router.
 """
 
@@ -71,7 +93,8 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.routing.prefix_affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity, prompt_of
+from router.routing.lora_affinity import DEFAULT_MAX_LORAS, LoRAAffinity, lora_of
+from router.routing.prefix_affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity, hash_root_of, prompt_of
 
 LOW_KV_FRACTION = 0.05
 """A replica whose free KV blocks fall under this fraction of its pool ranks in tier 1."""
@@ -128,8 +151,8 @@ def replica_key(
 
 class CarpoolRequestRouter(FIFOMixin, RequestRouter):
     """Rank replicas by free seats, then waiting requests, then free KV blocks; among the
-    best-ranked, the longest prompt-prefix match within the imbalance bound, else power of two
-    choices (see the module docstring)."""
+    best-ranked within the imbalance bound, those holding the request's LoRA adapter, then the
+    longest prompt-prefix match, else power of two choices (see the module docstring)."""
 
     def initialize_state(
         self,
@@ -138,6 +161,8 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         prefix_balance_abs_threshold: float = PREFIX_BALANCE_ABS_THRESHOLD,
         prefix_balance_rel_threshold: float = PREFIX_BALANCE_REL_THRESHOLD,
         prefix_min_match_fraction: float = PREFIX_MIN_MATCH_FRACTION,
+        lora_aware: bool = True,
+        max_loras: int = DEFAULT_MAX_LORAS,
         **kwargs,
     ) -> None:
         """Serve calls this with ``request_router_kwargs``.
@@ -151,6 +176,10 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
                 :data:`PREFIX_BALANCE_REL_THRESHOLD`.
             prefix_min_match_fraction: fraction of the prompt's full blocks; see
                 :data:`PREFIX_MIN_MATCH_FRACTION`.
+            lora_aware: prefer the free-seat replicas holding a LoRA request's adapter
+                (``ServeConfig.lora_aware_routing``); False ignores adapters.
+            max_loras: adapters a replica holds in device slots (``EngineConfig.max_loras``): the
+                size of each replica's adapter record.
         """
         self.low_kv_fraction = low_kv_fraction
         self.prefix_aware = bool(prefix_aware)
@@ -158,6 +187,8 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         self.prefix_balance_rel_threshold = float(prefix_balance_rel_threshold)
         self.prefix_min_match_fraction = float(prefix_min_match_fraction)
         self.affinity = PrefixAffinity()
+        self.lora_aware = bool(lora_aware)
+        self.loras = LoRAAffinity(max_loras)
         self._routed_hook_seen = False  # Serve has called on_request_routed (its handshake is on)
         self._outstanding: dict[ReplicaID, int] = defaultdict(int)
         # Monotonic times at which a replica was ranked first and not yet sent that request.
@@ -177,8 +208,11 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         super().on_request_completed(replica_id, internal_request_id)
         if self._routed_hook_seen:  # Serve reports accepted requests: this one was recorded then,
             self.affinity.discard(internal_request_id)  # or was rejected (its retry holds anew)
+            self.loras.discard(internal_request_id)
         else:  # a caller without Serve's queue-length handshake: record it now (its blocks stay cached)
             self.affinity.confirm(internal_request_id, replica_id)
+            self.loras.confirm(internal_request_id, replica_id)
+        self.loras.finish(internal_request_id)
         if self._outstanding.get(replica_id, 0) > 0:
             self._outstanding[replica_id] -= 1
 
@@ -187,6 +221,20 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         self._outstanding.pop(replica_id, None)
         self._reserved.pop(replica_id, None)
         self.affinity.forget(replica_id)  # its prefix cache died with it
+        self.loras.forget(replica_id)
+
+    def _get_pending_request_matching_metadata(self, request_metadata: Any = None) -> PendingRequest | None:
+        """Serve's hook (``FIFOMixin``): the pending request a replica chosen for
+        ``request_metadata``'s request goes to. For a LoRA request (adapter-aware routing on),
+        the oldest pending request of the same adapter, if any; otherwise None, and Serve hands
+        the replica to the oldest pending request."""
+        name = self.loras.pending(getattr(request_metadata, "internal_request_id", None)) if self.lora_aware else None
+        if name is None:
+            return None
+        for pending_request in self._pending_requests_to_fulfill:
+            if not pending_request.future.done() and lora_of(getattr(pending_request, "kwargs", None)) == name:
+                return pending_request
+        return None
 
     # ---- where prompts went (cache-aware routing) ------------------------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -194,6 +242,7 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         super().on_request_routed(pending_request, replica_id, result)
         self._routed_hook_seen = True
         self.affinity.confirm(_request_key(pending_request), replica_id)
+        self.loras.confirm(_request_key(pending_request), replica_id)
 
     def _prompt_hashes(self, candidates: list[RunningReplica], pending_request: PendingRequest | None) -> list[bytes]:
         """The block hashes of the request's prompt (held until Serve confirms its replica), or
@@ -211,10 +260,35 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
             (int(r.routing_stats["block_size"]) for r in candidates if (r.routing_stats or {}).get("block_size")),
             DEFAULT_BLOCK_SIZE,
         )
-        hashes = self.affinity.hashes(prompt, block_size)
+        hashes = self.affinity.hashes(prompt, block_size, hash_root_of(getattr(pending_request, "kwargs", None)))
         if hashes and key is not None:
             self.affinity.hold(key, hashes)
         return hashes
+
+    def _adapter_places(
+        self, candidates: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> tuple[list[int], list[bool]] | tuple[None, None]:
+        """Per candidate, how surely it holds the request's LoRA adapter (0 to 2:
+        :meth:`~router.routing.lora_affinity.LoRAAffinity.holds`; 3 more for the adapter's home,
+        :meth:`~router.routing.lora_affinity.LoRAAffinity.home`), and whether it has a slot no
+        request of this router uses (fewer than ``max_loras`` adapters in flight there);
+        ``(None, None)`` for a base-model request, another call, or adapter-aware routing off.
+        Holds the adapter until Serve confirms the request's replica."""
+        if not self.lora_aware or pending_request is None:
+            return None, None
+        name = lora_of(getattr(pending_request, "kwargs", None))
+        if name is None:
+            return None, None
+        key = _request_key(pending_request)
+        if key is not None:
+            self.loras.hold(key, name)
+        self.loras.retain(self.curr_replicas)
+        self.loras.expire(time.monotonic())
+        holds = [self.loras.holds(name, r.replica_id, (r.routing_stats or {}).get("lora_loaded")) for r in candidates]
+        home = self.loras.home(name, list(self.curr_replicas), [r.replica_id for r, h in zip(candidates, holds) if h])
+        holds = [h + 3 * (r.replica_id == home) for h, r in zip(holds, candidates)]  # home first, then where held
+        free = [self.loras.active(r.replica_id) < self.loras.max_loras for r in candidates]
+        return holds, free
 
     def max_imbalance(self, candidates: list[RunningReplica]) -> float:
         """Requests by which a replica's load may exceed the least loaded one's and still win on
@@ -250,6 +324,8 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         keyed = [(self.key(r), r) for r in candidate_replicas]
         hashes = self._prompt_hashes(candidate_replicas, pending_request)
+        holds, slot_free = self._adapter_places(candidate_replicas, pending_request)
+        matches, min_match = None, 1
         if hashes:
             affinity = self.affinity
             for r in candidate_replicas:
@@ -257,12 +333,16 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
             affinity.retain(self.curr_replicas)
             matches = [affinity.match(r.replica_id, hashes) for r in candidate_replicas]
             min_match = max(1, math.ceil(self.prefix_min_match_fraction * len(hashes) - 1e-9))
-            ranks = rank_replicas(keyed, matches, self.max_imbalance(candidate_replicas), min_match)
+        if matches is not None or holds is not None:
+            ranks = rank_replicas(keyed, matches, self.max_imbalance(candidate_replicas), min_match, holds, slot_free)
         else:
             ranks = rank_replicas(keyed)
         if ranks:
             # Serve tries the first group (one replica) first: count the request there at once.
-            self._reserved[ranks[0][0].replica_id].append(time.monotonic())
+            now = time.monotonic()
+            self._reserved[ranks[0][0].replica_id].append(now)
+            if holds is not None:
+                self.loras.place(_request_key(pending_request), ranks[0][0].replica_id, now)
         return ranks
 
 
@@ -277,6 +357,8 @@ def rank_replicas(
     matches: list[int] | None = None,
     max_imbalance: float = PREFIX_BALANCE_ABS_THRESHOLD,
     min_match: int = 1,
+    holds: list[int] | None = None,
+    slot_free: list[bool] | None = None,
 ) -> list[list[Any]]:
     """Ranked groups from ``(key, replica)`` pairs (see :func:`replica_key`): first the chosen
     replica alone, then (power of two choices) the other sampled one, then the rest by tier.
@@ -286,13 +368,19 @@ def rank_replicas(
         matches: per pair, in the same order, the prompt's prefix blocks the replica likely holds
             (cache-aware routing); None for load alone.
         max_imbalance: requests; a replica more loaded than the least loaded one of the best tier
-            by more than this does not compete on its match.
+            by more than this does not compete on its match or its adapter.
         min_match: blocks; a shorter match does not count (at least 1).
+        holds: per pair, how surely the replica holds the request's LoRA adapter (0: not, 1:
+            likely, 2: surely; adapter-aware routing); None for a base-model request or adapters
+            ignored. Booleans count as 0 and 1.
+        slot_free: per pair (with ``holds``), whether the replica has a LoRA slot that no request
+            in flight uses: where an adapter nobody holds can be loaded without waiting.
 
-    The chosen one: with ``matches`` and a best tier with a free seat (0 or 1), the replica of that
-    tier within the imbalance bound with the longest match, if that is at least ``min_match``
-    blocks (ties by power of two choices among the tied); otherwise power of two choices among the
-    best tier.
+    The chosen one, when the best tier has a free seat (0 or 1): among that tier's replicas
+    within the imbalance bound, those holding the adapter most surely if any do (``holds``), else
+    those with a free slot if any (``slot_free``); among those, the longest match if it is at least ``min_match`` blocks (``matches``; ties by power of two
+    choices among the tied); otherwise power of two choices among the replicas left (the holders,
+    or the whole best tier). In tier 2 (no free seat): power of two choices among the best tier.
     """
     if not keyed:
         return []
@@ -301,12 +389,21 @@ def rank_replicas(
     order = sorted(keyed, key=lambda kr: (kr[0], random.random()))
     best_tier, best_waiting = order[0][0][0], order[0][0][1]
     best = [kr for kr in order if kr[0][0] == best_tier and kr[0][1] == best_waiting]
-    if matches is not None and best_tier <= 1:
+    if (matches is not None or holds is not None) and best_tier <= 1:
         least = min(kr[0][3] for kr in best)
         eligible = [kr for kr in best if kr[0][3] - least <= max_imbalance]
-        longest = max(match_of[id(kr[1])] for kr in eligible)
-        if longest >= max(1, min_match):
-            best = [kr for kr in eligible if match_of[id(kr[1])] == longest]
+        if holds is not None:
+            hold_of = {id(kr[1]): int(h) for kr, h in zip(keyed, holds)}
+            surest = max(hold_of[id(kr[1])] for kr in eligible)
+            free = {id(kr[1]) for kr, f in zip(keyed, slot_free or ()) if f}
+            holding = ([kr for kr in eligible if hold_of[id(kr[1])] == surest] if surest > 0
+                       else [kr for kr in eligible if id(kr[1]) in free])
+            if holding:
+                best = eligible = holding
+        if matches is not None:
+            longest = max(match_of[id(kr[1])] for kr in eligible)
+            if longest >= max(1, min_match):
+                best = [kr for kr in eligible if match_of[id(kr[1])] == longest]
     pair = random.sample(best, 2) if len(best) >= 2 else best
     pair.sort(key=lambda kr: (kr[0][3], kr[0][2], random.random()))  # fewer requests, then more free blocks
     ranks = [[kr[1]] for kr in pair]

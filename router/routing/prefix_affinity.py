@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
-from replica.protocol.prefix_hash import block_hashes
+from replica.protocol.prefix_hash import ROOT, block_hashes
 
 DEFAULT_BLOCK_SIZE = 16
 """Tokens per KV block assumed before a replica has reported its ``block_size`` (the engine's
@@ -37,6 +37,13 @@ DEFAULT_CAPACITY_BLOCKS = 4096
 MAX_PENDING = 4096
 """Routed requests whose hashes wait for Serve's confirmation of their replica, at most (older
 ones are dropped: a request Serve never dispatched)."""
+
+
+def hash_root_of(kwargs: dict[str, Any] | None) -> bytes:
+    """The prefix hash chain's start of a replica call: its ``lora_request`` keyword's
+    ``hash_root`` for an adapter request, else :data:`~replica.protocol.prefix_hash.ROOT`."""
+    root = getattr((kwargs or {}).get("lora_request"), "hash_root", None)
+    return root if isinstance(root, bytes) else ROOT
 
 
 def prompt_of(args: Sequence[Any] | None, kwargs: dict[str, Any] | None = None) -> list[int] | None:
@@ -69,12 +76,14 @@ class PrefixAffinity:
 
     # ---- hashes ------------------------------------------------------------------------------
     @staticmethod
-    def hashes(prompt: Sequence[int] | None, block_size: int) -> list[bytes]:
+    def hashes(prompt: Sequence[int] | None, block_size: int, root: bytes = ROOT) -> list[bytes]:
         """The chained hashes of the prompt's full blocks (:func:`replica.protocol.prefix_hash.block_hashes`);
-        empty for no prompt or one shorter than a block."""
+        empty for no prompt or one shorter than a block. ``root``: the chain's start, the request's
+        LoRA adapter's (``LoRARequest.hash_root``) for an adapter request, as the replica hashes it,
+        so a prefix matches only where it was sent under the same adapter."""
         if not prompt or block_size < 1:
             return []
-        return block_hashes(prompt, block_size)
+        return block_hashes(prompt, block_size, root)
 
     # ---- per-replica records -----------------------------------------------------------------
     def capacity(self, replica: Hashable) -> int:

@@ -100,7 +100,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     dashboard = json.loads((ROOT / "grafana/carpool.json").read_text())
     out = []
     for panel in dashboard["panels"]:
-        for target in panel["targets"]:
+        for target in panel.get("targets", ()):  # a row has none
             expr = (
                 target["expr"]
                 .replace("$__rate_interval", "1m")
@@ -179,6 +179,10 @@ def test_prometheus_counters_gauges_and_dashboard(served, prometheus):
     # Gauges back to idle on every replica.
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "slot_utilization"):
         assert scalar(prometheus, f"max(carpool:{gauge})") == 0, gauge
+    # LoRA is off: its series exist at 0, and no per-adapter series (tests/e2e/test_lora_serve.py has them).
+    assert scalar(prometheus, "sum(carpool:lora_adapter_loads_total)") == 0
+    assert scalar(prometheus, "max(carpool:lora_adapters_loaded)") == 0
+    assert query(prometheus, "carpool:lora_requests_running") == []
 
     # Every dashboard query evaluates and returns data. rate() needs two scrapes inside its window,
     # which a loaded machine may delay (a slow scrape is dropped), so each query gets some time.

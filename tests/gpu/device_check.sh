@@ -10,7 +10,8 @@
 # small large; in a 15-minute lease, two calls: "tests small" (about 8 minutes at most), then
 # "large" (about 5)): tests, small (SmolLM2 shape), large (8B), sync (with small: the SmolLM2 shape
 # again with --no-async-scheduling), spec (speculative decoding's side-by-side bench; random weights
-# draft little, so it shows the step cost by rows and the planner backing off). A profile, no-graphs or sync limit of 0 skips that run.
+# draft little, so it shows the step cost by rows and the planner backing off), lora (4 random rank-16
+# adapters mixed with base requests against the base model alone, 32 and 64 seats). A profile, no-graphs or sync limit of 0 skips that run.
 # On 2026-12-04 the first compile made the SmolLM2-shape bench take 129 s, the 8B one 165 s.
 set -uo pipefail
 STAGES=${1:-"tests small large"}
@@ -33,7 +34,7 @@ if stage tests; then
     tests/engine/test_attention_backends.py tests/engine/test_fidelity.py tests/engine/test_model_support.py \
     tests/engine/test_engine_behaviour.py tests/engine/test_sampling_options.py tests/engine/test_async_engine.py \
     tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py \
-    tests/engine/test_spec_decode.py -k "not real_model" 2>&1 | tee $OUT/tests.log | tail -30
+    tests/engine/test_spec_decode.py tests/engine/test_lora.py -k "not real_model and not smollm2" 2>&1 | tee $OUT/tests.log | tail -30
 fi
 
 bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [sync_timeout]
@@ -72,5 +73,12 @@ if stage spec; then  # speculative decoding on CUDA: the step cost by rows (wher
   stamp "SmolLM2 shape (random weights): prompt lookup vs none, 1, 4 and 64 seats"
   timeout ${SPEC_TIMEOUT:-200} python3 -m cluster.bench spec --model /tmp/smollm2-135m --device cuda --dtype bfloat16 \
     --seats 1,4,64 --num-requests 8 --json $OUT/spec-smollm2-135m.json 2>&1 | grep -E "seats|step cost" | tail -12
+fi
+
+if stage lora; then  # multi-LoRA on CUDA: the dense slot matmuls in the compiled decoder and CUDA graphs
+  [[ -d /tmp/smollm2-135m ]] || python3 -m tests.gpu.make_random_model --tokenizer .gpu/smollm2-tokenizer --shape smollm2-135m --out /tmp/smollm2-135m --device cuda
+  stamp "SmolLM2 shape (random weights): 4 adapters of rank 16 + base mixed vs base only, 32 and 64 seats"
+  timeout ${LORA_TIMEOUT:-200} python3 -m cluster.bench lora --model /tmp/smollm2-135m --device cuda --dtype bfloat16 \
+    --seats 32,64 --num-requests 128 --json $OUT/lora-smollm2-135m.json 2>&1 | grep -E "seats|load" | tail -6
 fi
 stamp done

@@ -54,6 +54,8 @@ class Handle:
 
 
 class Prepared:
+    lora_request = None
+
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
 

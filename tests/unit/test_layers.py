@@ -3,7 +3,7 @@
 * replica (the engine) < router (the HTTP ingress) < cluster (config, CLI, app building, benchmarks);
   no module imports itself back (no cycle).
 * Inside replica, its packages in layers, lowest first: ``config`` < ``protocol`` < ``core`` <
-  ``kernels`` < ``attention`` < ``sample`` < ``worker`` < ``spec_decode`` < ``engine`` < ``serve``; ``replica``'s own
+  ``kernels`` < ``attention`` < ``sample`` < ``lora`` < ``worker`` < ``spec_decode`` < ``engine`` < ``serve``; ``replica``'s own
   ``__init__`` (the public names) sits on top of them.
 * ``replica.protocol`` and ``replica.core`` import no torch (nor NumPy); only ``replica.serve`` imports Ray.
 * The router imports of the engine only its protocol (``replica.protocol``), its config
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("replica", "router", "cluster")  # lowest first
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 ENGINE_PACKAGES = (
-    "config", "protocol", "core", "kernels", "attention", "sample", "worker", "spec_decode", "engine", "serve"
+    "config", "protocol", "core", "kernels", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
 )
 ENGINE_LAYER = {name: rank for rank, name in enumerate(ENGINE_PACKAGES)}
 ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself

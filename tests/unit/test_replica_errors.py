@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.protocol.errors import EngineDeadError, LoRAAdapterError, RequestAbortedError, RequestFailedError
 from router.errors import replica_error as _replica_error
 
 
@@ -40,6 +40,13 @@ def test_a_dead_replica_process_is_a_503_and_bad_input_a_400():
 
     bad = _replica_error(from_replica(ValueError("top_k must be -1, 0 or positive, got -5")))
     assert bad.status_code == 400 and bad.body()["error"]["param"] == "top_k"
+
+
+@pytest.mark.parametrize("wrap", [lambda e: e, from_replica])
+def test_an_unusable_lora_adapter_is_a_400_naming_the_reason(wrap):
+    bad = _replica_error(wrap(LoRAAdapterError("adapter 'sql': rank 32 of 'q_proj' exceeds max_lora_rank=16")))
+    assert bad.status_code == 400 and bad.message == "adapter 'sql': rank 32 of 'q_proj' exceeds max_lora_rank=16"
+    assert bad.body()["error"]["code"] == "invalid_lora_adapter" and bad.param == "model"
 
 
 @pytest.mark.parametrize(

@@ -262,3 +262,49 @@ def test_help_shows_every_option_whole_at_80_columns(argv):
     assert not missing, f"options cut or missing from --help: {missing}\n{result.output}"
     assert "…" not in result.output
     assert max(len(line) for line in result.output.splitlines()) <= 80
+
+
+def test_lora_settings_reach_the_config_and_turn_lora_on(tmp_path, monkeypatch):
+    """``--lora-modules a=PATH b=PATH`` (vLLM's spelling; the option repeated works too),
+    ``--lora-dir``, the engine's LoRA flags; adapters turn ``enable_lora`` on unless it is off on
+    purpose; bad modules stop ``carpool serve`` before anything starts, named."""
+    from typer.testing import CliRunner
+
+    import cluster.app
+    import cluster.cli
+    from cluster.cli import app
+
+    started = []
+    monkeypatch.setattr(cluster.cli, "serve_forever", started.append)
+    monkeypatch.setattr(cluster.app, "listen_problem", lambda host, port: None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loras").mkdir()
+    argv = ["serve", "--lora-modules", "sql=adapters/sql", "chat=/abs/chat", "--lora-dir", "loras", "--max-loras", "2",
+            "--max-lora-rank", "32", "--max-cpu-loras", "6", "--no-lora-aware-routing"]
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    cfg = started[-1]
+    assert cfg.lora_modules == {"sql": str(tmp_path / "adapters/sql"), "chat": "/abs/chat"}
+    assert cfg.lora_dirs == [str(tmp_path / "loras")] and not cfg.lora_aware_routing
+    assert (cfg.engine.enable_lora, cfg.engine.max_loras, cfg.engine.max_lora_rank, cfg.engine.max_cpu_loras) == (True, 2, 32, 6)
+    result = CliRunner().invoke(app, ["serve", "--lora-modules", "a=/x", "--lora-modules", '{"name": "b", "path": "/y"}'])
+    assert result.exit_code == 0 and started[-1].lora_modules == {"a": "/x", "b": "/y"}, result.output
+    assert not ServeConfig().engine.enable_lora and ServeConfig(lora_dirs=["/d"]).engine.enable_lora
+
+    for bad, named in [
+        (["--lora-modules", "sql"], "--lora-modules: a LoRA module is name=path, got 'sql'"),
+        (["--lora-modules", "a=/x", "a=/y"], "--lora-modules: adapter 'a' is given twice"),
+        (["stray=/x"], "unexpected arguments 'stray=/x'"),
+        (["--lora-modules", "a=/x", "--no-enable-lora"], "lora_modules needs LoRA, but engine.enable_lora is false"),
+        (["--served-model-name", "m", "--lora-modules", "m=/x"], "adapter name 'm' is the served model's name"),
+        (["--lora-dir", str(tmp_path / "missing")], "does not exist"),
+        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "max_cpu_loras (2) must be at least max_loras (4)"),
+    ]:
+        result = CliRunner().invoke(app, ["serve", *bad])
+        assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, (bad, result.output)
+
+    path = tmp_path / "lora.yaml"
+    path.write_text("lora_modules:\n  - sql=/adapters/sql\nlora_dirs: [/adapters]\nengine:\n  max_loras: 3\n")
+    cfg = build_config(path, {}, {})
+    assert cfg.lora_modules == {"sql": "/adapters/sql"} and cfg.engine.enable_lora and cfg.engine.max_loras == 3
+    assert build_config(path, {"lora_modules": {"x": "/x"}}, {}).lora_modules == {"x": "/x"}  # the option replaces the file's

@@ -1,0 +1,70 @@
+"""The engine's side of LoRA: the adapter registry, a request's adapter, and the LoRA snapshot
+that ``LLMEngine.lora_stats`` hands other threads (the replica's metrics and routing stats)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from replica.config.engine_config import EngineConfig
+from replica.kernels.shapes import padded_size
+from replica.lora.adapter import LoRAAdapter
+from replica.lora.registry import LoRARegistry
+from replica.protocol.errors import LoRAAdapterError
+from replica.protocol.lora_request import LoRARequest
+
+
+def runner_lora(cfg: EngineConfig) -> tuple[int, int, int] | None:
+    """``ModelRunner``'s ``lora`` argument: ``(max_loras, max_lora_rank, max step tokens)``, where
+    a step has at most the budget's padded size (:func:`padded_size`) or a row per seat."""
+    if not cfg.enable_lora:
+        return None
+    return cfg.max_loras, cfg.max_lora_rank, max(padded_size(cfg.max_num_batched_tokens), cfg.max_num_seqs, 16)
+
+
+class EngineLoRA:
+    """The adapters an engine serves (its runner has LoRA slots: ``runner.lora``)."""
+
+    def __init__(self, cfg: EngineConfig, runner) -> None:
+        self.slots = runner.lora
+        shapes = {name: (m.out_features, m.in_features) for name, m in self.slots.modules.items()}
+        self.registry = LoRARegistry(
+            linear_shapes=shapes, max_rank=cfg.max_lora_rank, dtype=runner.dtype,
+            max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
+        )
+        self.max_loras = cfg.max_loras
+
+    def adapter_for(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The request's adapter, read from its folder on first use (thread-safe).
+
+        Raises ``LoRAAdapterError`` naming the reason."""
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAAdapterError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        return self.registry.get(lora_request)
+
+    def snapshot(self, scheduler) -> dict[str, Any]:
+        """``max_loras``; ``loaded`` (adapters in device slots), ``cached`` (in host memory);
+        ``running`` and ``waiting`` requests per adapter name; ``num_slot_loads`` (adapters written
+        into a slot since start). Called on the engine's thread."""
+        def per_adapter(requests) -> dict[str, int]:
+            return dict(Counter(r.lora.name for r in requests if r.lora is not None))
+
+        return {
+            "max_loras": self.max_loras,
+            "loaded": self.slots.loaded(),
+            "cached": self.registry.names(),
+            "running": per_adapter(scheduler.running),
+            "waiting": per_adapter(scheduler.waiting),
+            "num_slot_loads": self.slots.num_loads,
+        }
+
+
+def check_lora_request(lora: EngineLoRA | None, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+    """The adapter of a request's ``lora_request`` (None: the base model).
+
+    Raises ``LoRAAdapterError`` when one is named and LoRA is not enabled, or it cannot be used."""
+    if lora_request is None:
+        return None
+    if lora is None:
+        raise LoRAAdapterError("this engine does not serve LoRA adapters (start it with enable_lora)")
+    return lora.adapter_for(lora_request)
