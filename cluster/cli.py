@@ -200,6 +200,19 @@ def serve(
     serve_forever(cfg)
 
 
+def _missing_adapters(modules: dict[str, str]) -> list[str]:
+    """Each ``--lora-modules`` entry whose path is not a folder with an ``adapter_config.json``
+    (checked on this node before Ray starts, all at once; a replica then reads each adapter with
+    peft and checks it against the model)."""
+    import os
+
+    return [
+        f"{name}={path}: " + ("not a folder" if not os.path.isdir(path) else "no adapter_config.json in it")
+        for name, path in modules.items()
+        if not os.path.isfile(os.path.join(path, "adapter_config.json"))
+    ]
+
+
 def _lora_modules(options: list[str] | None, extra: list[str]) -> dict[str, str] | None:
     """``--lora-modules``'s adapters as ``{name: path}`` (None when not given): the option's values
     and the words that follow them (vLLM's ``--lora-modules a=/x b=/y``: click hands the words
@@ -231,6 +244,9 @@ def serve_forever(cfg: ServeConfig) -> None:
     the rest are ended with a 503 error), remove the app, stop Ray if we started it. A second
     Ctrl-C skips the wait."""
     from cluster import app as carpool_app
+
+    if not cfg.address and (problems := _missing_adapters(cfg.lora_modules)):
+        _fail("lora_modules: " + "; ".join(problems))  # before Ray; a replica reads and checks the rest once up
 
     stop = threading.Event()
 

@@ -185,6 +185,11 @@ class Adapters:
                 "lora_path: loading adapters at run time is off (start the server with --lora-dir DIR)",
                 param="lora_path", code="invalid_value",
             )
+        if not os.path.isabs(body.lora_path):
+            raise OpenAIError(
+                f"lora_path: {body.lora_path!r} is not an absolute path (a folder inside the server's --lora-dir)",
+                param="lora_path", code="invalid_value",
+            )
         path = inside_dirs(body.lora_path, self.dirs)
         if path is None:
             raise OpenAIError(

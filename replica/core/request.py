@@ -78,7 +78,7 @@ class Request:
     @property
     def hash_root(self) -> bytes:
         """The parent digest of the request's first block hash: its adapter's, else the base model's."""
-        return ROOT if self.lora is None else self.lora.request.hash_root
+        return ROOT if self.lora is None else self.lora.hash_root
 
     @property
     def num_prompt_tokens(self) -> int:

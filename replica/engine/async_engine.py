@@ -290,6 +290,12 @@ class AsyncLLMEngine:
         return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
                 "target_modules": adapter.target_modules}
 
+    def lora_in_memory(self, lora_request: LoRARequest) -> bool:
+        """Whether the adapter is in host memory now, so that a request naming it reads no file
+        and cannot be refused for its files (thread-safe; False without LoRA)."""
+        lora = self.engine.lora
+        return lora is not None and lora.registry.has(lora_request)
+
     def remove_lora(self, lora_name: str) -> bool:
         """:meth:`LLMEngine.remove_lora <replica.engine.llm_engine.LLMEngine.remove_lora>` (thread-safe)."""
         return self.engine.remove_lora(lora_name)

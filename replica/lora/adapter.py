@@ -14,6 +14,7 @@ for Fine-Tuning with LoRA"), ``r`` and ``alpha`` per module from ``rank_pattern`
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -40,6 +41,15 @@ class LoRAAdapter:
     rank: int
     target_modules: list[str]
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(repr=False)
+    digest: bytes = b""  # SHA-256 of the name, the folder, and the weights and scalings as read
+
+    @property
+    def hash_root(self) -> bytes:
+        """The parent digest of the first KV block of its requests (``replica.protocol.prefix_hash``):
+        from what was read, not only the name and folder, so that an adapter retrained into the same
+        folder and read again (unloaded and loaded, or dropped from host memory) never meets the
+        K/V its earlier weights left in the prefix cache."""
+        return hashlib.sha256(b"carpool-lora-weights\0" + self.digest).digest()
 
     @property
     def name(self) -> str:
@@ -67,6 +77,15 @@ def load_adapter(
             does not have, or that is not one of its decoder layers' linear layers; weights whose
             shapes do not fit the module, or that hold NaN or infinite values.
     """
+    try:
+        return _load(request, linear_shapes=linear_shapes, max_rank=max_rank, dtype=dtype)
+    except LoRAAdapterError:
+        raise
+    except Exception as exc:  # noqa: BLE001 — whatever else a malformed adapter trips is its fault, a 400
+        raise LoRAAdapterError(f"adapter {request.lora_name!r}: cannot be read: {type(exc).__name__}: {exc}") from exc
+
+
+def _load(request: LoRARequest, *, linear_shapes: dict[str, tuple[int, int]], max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
     from peft import PeftConfig
     from peft.utils import load_peft_weights
     from peft.utils.other import get_pattern_key
@@ -121,16 +140,23 @@ def load_adapter(
             raise LoRAAdapterError(f"adapter {name!r}: module {module!r} has lora_{'A' if 'B' in ab else 'B'} missing")
         a, b = ab["A"], ab["B"]
         out_features, in_features = linear_shapes[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
+        r = a.shape[0] if a.dim() == 2 else -1
+        if r < 1 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
             raise LoRAAdapterError(
                 f"adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                 f"the base layer needs [r, {in_features}] and [{out_features}, r]"
             )
         if r > max_rank:
             raise LoRAAdapterError(f"adapter {name!r}: rank {r} of {module!r} exceeds max_lora_rank={max_rank}")
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+        patterns = config.alpha_pattern or {}
+        alpha = patterns.get(get_pattern_key(patterns.keys(), module), config.lora_alpha)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise LoRAAdapterError(f"adapter {name!r}: lora_alpha of {module!r} is {alpha!r}, not a number")
         scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
         weights[module] = (a.to(dtype).contiguous(), b.to(dtype).contiguous(), float(scaling))
     targets = sorted({module.rpartition(".")[2] for module in weights})
-    return LoRAAdapter(request, max(a.shape[0] for a, _, _ in weights.values()), targets, weights)
+    digest = hashlib.sha256(f"{name}\0{path}".encode())
+    for module, (a, b, scaling) in weights.items():
+        digest.update(f"\0{module}\0{scaling!r}\0".encode())
+        digest.update(a.view(torch.uint8).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes())
+    return LoRAAdapter(request, max(a.shape[0] for a, _, _ in weights.values()), targets, weights, digest.digest())

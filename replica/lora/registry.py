@@ -50,6 +50,11 @@ class LoRARegistry:
                 self._adapters.popitem(last=False)
         return adapter
 
+    def has(self, request: LoRARequest) -> bool:
+        """Whether ``request``'s adapter is in host memory now (a request naming it reads no file)."""
+        with self._lock:
+            return request.key in self._adapters
+
     def remove(self, lora_name: str) -> bool:
         """Forget every adapter named ``lora_name``; returns whether there was one."""
         with self._lock:

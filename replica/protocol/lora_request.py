@@ -30,8 +30,10 @@ class LoRARequest:
 
     @property
     def hash_root(self) -> bytes:
-        """The parent digest of a sequence's first KV block under this adapter (see
-        :mod:`replica.protocol.prefix_hash`): the same tokens under two adapters (or an adapter and
-        the base model) have different K/V, so their block hashes must differ; requests of one
-        adapter share their prefixes."""
+        """The parent digest of the first block hash of this adapter's prompts in the router's
+        prefix record (``router/routing/prefix_affinity.py``; :mod:`replica.protocol.prefix_hash`):
+        the same tokens under two adapters (or an adapter and the base model) have different K/V,
+        so their hashes must differ. The replica's own cache goes further and roots an adapter's
+        blocks in its weights as read (``replica.lora.adapter.LoRAAdapter.hash_root``), so that an
+        adapter retrained into the same folder never meets its earlier weights' K/V."""
         return hashlib.sha256(b"carpool-lora\0" + self.lora_name.encode() + b"\0" + self.lora_path.encode()).digest()

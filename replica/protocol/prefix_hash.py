@@ -5,7 +5,7 @@ vLLM v1's scheme: block ``i`` of a sequence is identified by
 and including that block (not just equal blocks), and a prefix of ``k`` full blocks is found by
 looking its ``k`` hashes up one after the other. The other input that changes a block's K/V is
 the request's LoRA adapter: its chain starts from the adapter's own root
-(:attr:`replica.protocol.lora_request.LoRARequest.hash_root`, vLLM mixes the adapter id into each
+(``replica.lora.adapter.LoRAAdapter.hash_root``, a digest of its weights as read; vLLM mixes the adapter id into each
 block's hash to the same end), so two adapters never share a block and the requests of one do.
 A future input that changes K/V (multimodal inputs) must be mixed in the same way.
 
@@ -33,7 +33,7 @@ def extend_block_hashes(
         token_ids: the sequence (prompt, then output), tokens.
         block_size: tokens per block.
         root: the parent digest of the first block: :data:`ROOT`, or the request's adapter's
-            (``LoRARequest.hash_root``).
+            (``LoRAAdapter.hash_root``; the router's record: ``LoRARequest.hash_root``).
     Returns:
         ``hashes``, now one digest per full block: ``len(token_ids) // block_size`` entries.
     """

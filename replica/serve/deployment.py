@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -43,9 +42,6 @@ from replica.serve.replica_info import node_ip, replica_id
 
 logger = logging.getLogger(__name__)
 
-MAX_CHECKED_LORAS = 1024
-"""Adapters (name, folder) this replica remembers having checked, at most (least recent dropped:
-such an adapter is checked again on its next request)."""
 
 
 class LLMReplica:
@@ -88,7 +84,6 @@ class LLMReplica:
         self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
-        self._checked_loras: OrderedDict[tuple[str, str], None] = OrderedDict()  # see _check_lora_once
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
@@ -208,29 +203,18 @@ class LLMReplica:
                 not LoRA, rank above ``max_lora_rank``, modules or shapes that do not fit the
                 base model, LoRA off); the message names the reason.
         """
-        info = await asyncio.to_thread(self.engine.check_lora, lora_request)
-        self._remember_checked(lora_request.key)
-        return info
+        return await asyncio.to_thread(self.engine.check_lora, lora_request)
 
     async def _check_lora_once(self, lora_request: LoRARequest) -> None:
-        """:meth:`check_lora` the first time this replica sees an adapter (name, folder), so that
-        its files are read off the event loop and a refusal comes before admission."""
-        if lora_request.key in self._checked_loras:
-            self._checked_loras.move_to_end(lora_request.key)
-            return
-        await self.check_lora(lora_request)
-
-    def _remember_checked(self, key: tuple[str, str]) -> None:
-        self._checked_loras[key] = None
-        self._checked_loras.move_to_end(key)
-        while len(self._checked_loras) > MAX_CHECKED_LORAS:
-            self._checked_loras.popitem(last=False)
+        """:meth:`check_lora` unless the adapter (name, folder) is in the engine's host memory, so
+        that its files are read off the event loop and a refusal (files gone since, say) comes
+        before admission, before a stream's response starts."""
+        if not self.engine.lora_in_memory(lora_request):
+            await self.check_lora(lora_request)
 
     async def remove_lora(self, lora_name: str) -> bool:
         """Forget the adapter(s) named ``lora_name`` from host memory (requests running with one
         keep it; a later request that names it reads it again). Returns whether one was known."""
-        for key in [k for k in self._checked_loras if k[0] == lora_name]:
-            del self._checked_loras[key]
         if not self.config.enable_lora:
             return False
         removed = self.engine.remove_lora(lora_name)

@@ -226,9 +226,11 @@ SMOL_CHATS = ["What is the capital of France?", "Write a haiku about the sea.", 
 
 
 @pytest.mark.slow
-def test_smollm2_mixed_batch_compiled_tokens_equal_peft(smollm2_path, smollm2_tokenizer, tmp_path_factory):
+def test_smollm2_mixed_batch_tokens_equal_peft(smollm2_path, smollm2_tokenizer, tmp_path_factory):
     """Two random rank-8 adapters on every linear of SmolLM2 (each weight moved by 5% of its norm:
-    the answers change and stay plausible text) and the base model, in one compiled batch."""
+    the answers change and stay plausible text) and the base model, in one batch. Eager: the
+    compiled path is checked on the tiny models above; compiling SmolLM2 with LoRA from an empty
+    cache costs minutes of this suite's 15 (docs/lora.md, "Cost")."""
     prompts = [
         smollm2_tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
                                               tokenize=True, return_dict=False)
@@ -238,7 +240,7 @@ def test_smollm2_mixed_batch_compiled_tokens_equal_peft(smollm2_path, smollm2_to
     smol = _make_adapters(smollm2_path, tmp_path_factory.mktemp("lora-smol"), specs, prompts, [16] * len(prompts))
     for name in specs:
         assert sum(a != b for a, b in zip(smol.refs[name], smol.refs[None])) >= 2, name
-    llm = LLM(model=smollm2_path, dtype="float32", **ON_TEST_DEVICE, **LORA, compile=True, max_num_seqs=9)
+    llm = LLM(model=smollm2_path, dtype="float32", **ON_TEST_DEVICE, **LORA, compile=False, max_num_seqs=9)
     names = [n for n in ("s0", "s1", None) for _ in prompts]
     indices = [i for _ in ("s0", "s1", None) for i in range(len(prompts))]
     requests = run(llm.engine, [(prompts[i], 16, smol.lora(n)) for i, n in zip(indices, names)])
