@@ -12,7 +12,7 @@ MODE_FIELDS = {
     "completed", "errors", "error_messages", "output_tokens", "wall_s", "output_tokens_per_s", "adapter_loads",
     "loads_per_request", "requests_per_replica", "max_replica_share",
 }
-NUM_REQUESTS, MAX_TOKENS = 12, 4
+NUM_REQUESTS, MAX_TOKENS = 8, 2
 
 
 def test_bench_lora_routing_reports_both_modes(deploy, smollm2_path, tmp_path, capsys):
