@@ -220,6 +220,8 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
         if num_replicas is not None:
             raise ValueError("num_replicas cannot be combined with autoscaling")
         options["autoscaling_config"] = config.autoscaling.serve_options()
+        # A replica scaled down takes no new requests and finishes those it runs, up to this long.
+        options["graceful_shutdown_timeout_s"] = config.autoscaling.drain_timeout_s
         most = config.autoscaling.max_replicas
     else:
         options["num_replicas"] = most = num_replicas if num_replicas is not None else resolve_replicas(config)

@@ -22,6 +22,7 @@ from typing import Any, List, Optional
 import typer
 from pydantic import ValidationError
 
+from cluster.autoscaling import parse_autoscale
 from cluster.config import ServeConfig, format_validation_error, parse_bytes, parse_speculative_config
 from replica.config.engine_config import DTYPE_HELP
 from replica.serve import log_to_stderr
@@ -78,16 +79,29 @@ def load_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def build_config(file: Path | None, overrides: dict[str, Any], engine_overrides: dict[str, Any]) -> ServeConfig:
-    """Defaults < config file < command-line options; raises ``ValueError``/``ValidationError``."""
+def build_config(
+    file: Path | None, overrides: dict[str, Any], engine_overrides: dict[str, Any],
+    autoscaling_overrides: dict[str, Any] | None = None,
+) -> ServeConfig:
+    """Defaults < config file < command-line options; raises ``ValueError``/``ValidationError``.
+    ``autoscaling_overrides`` (``--autoscale`` and the policy's flags) are merged into the file's
+    ``autoscaling:`` mapping; any of them turns autoscaling on."""
     data = load_config_file(file) if file is not None else {}
     engine = data.get("engine") or {}
     if not isinstance(engine, dict):
         raise ValueError("engine: must be a mapping of engine settings")
     engine = {**engine, **{k: v for k, v in engine_overrides.items() if v is not None}}
+    scaling = {k: v for k, v in (autoscaling_overrides or {}).items() if v is not None}
     data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
     if engine:
         data["engine"] = engine
+    if scaling:
+        given = data.get("autoscaling") or {}
+        if not isinstance(given, dict):
+            raise ValueError("autoscaling: must be a mapping of autoscaling settings")
+        if "max_replicas" not in given and "max_replicas" not in scaling:
+            raise ValueError("autoscaling needs its bounds: --autoscale MIN:MAX (or autoscaling.max_replicas in --config)")
+        data["autoscaling"] = {**given, **scaling}
     return ServeConfig(**data)
 
 
@@ -139,6 +153,11 @@ def serve(
     max_prompts_per_request: Optional[int] = typer.Option(None, help="Prompts in one /v1/completions request (default: 64)."),
     max_choices_per_request: Optional[int] = typer.Option(None, help="Prompts x n of one request (default: 128)."),
     max_request_body_bytes: Optional[str] = typer.Option(None, help="Largest request body, bytes or with a unit (1MiB); larger: 413 (default: 8MiB)."),
+    autoscale: Optional[str] = typer.Option(None, "--autoscale", help="Autoscale the replicas between MIN:MAX (e.g. 1:4; 0:4 scales to zero) instead of a fixed --replicas (default: off)."),
+    autoscaling_policy: Optional[str] = typer.Option(None, "--autoscaling-policy", help="carpool: on seats taken, queue wait and KV use; ongoing_requests: Serve's, on requests per replica (default: carpool)."),
+    target_seat_utilization: Optional[float] = typer.Option(None, help="carpool policy: seat utilization (0-1] that, with queue waits, adds replicas (default: 0.9)."),
+    target_queue_wait: Optional[float] = typer.Option(None, "--target-queue-wait", help="carpool policy: seconds the head of a replica's queue waits that, with full seats, adds replicas (default: 1.0)."),
+    target_ongoing_requests: Optional[float] = typer.Option(None, help="ongoing_requests policy: requests per replica Serve aims for (default: 32)."),
     shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", help="Seconds in-flight requests may take to finish on SIGTERM/Ctrl-C before they are ended (default: 30)."),
 ) -> None:
     """Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health)
@@ -188,7 +207,15 @@ def serve(
         "shutdown_timeout_s": shutdown_timeout,
     }
     try:
-        cfg = build_config(config, overrides, engine_overrides)
+        bounds = parse_autoscale(autoscale) if autoscale is not None else {}
+    except ValueError as exc:
+        _fail(str(exc))
+    autoscaling = {
+        **bounds, "policy": autoscaling_policy, "target_seat_utilization": target_seat_utilization,
+        "target_queue_wait_s": target_queue_wait, "target_ongoing_requests": target_ongoing_requests,
+    }
+    try:
+        cfg = build_config(config, overrides, engine_overrides, autoscaling)
     except ValidationError as exc:
         _fail("invalid settings:\n" + format_validation_error(exc))
     except ValueError as exc:

@@ -10,7 +10,6 @@ import json
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ByteSize,
     ConfigDict,
     Field,
@@ -20,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.autoscaling.settings import AutoscalingSettings
 from replica.config.engine_config import DEFAULT_MODEL, EngineConfig
 from replica.config.speculative_config import SpeculativeConfig
 from router.config import IngressConfig
@@ -85,42 +85,6 @@ def speculative_config_from_json(text: str) -> dict[str, Any]:
         return SpeculativeConfig(**parse_speculative_config(text)).model_dump()
     except ValidationError as exc:
         raise ValueError("invalid --speculative-config:\n" + format_validation_error(exc)) from None
-
-
-class AutoscalingSettings(BaseModel):
-    """Serve autoscaling of the replica deployment, on ongoing requests per replica.
-
-    The fields are those of Ray Serve's ``AutoscalingConfig`` (same names, same meaning); Serve's
-    own validation runs on them too. ``build_app`` passes them as the ``LLMReplica`` deployment's
-    ``autoscaling_config``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 allows scaling to zero).")
-    max_replicas: int = Field(..., ge=1, description="Most replicas (on GPUs: at most the GPUs the cluster can have).")
-    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deployment; default min_replicas.")
-    target_ongoing_requests: float = Field(
-        32,
-        gt=0,
-        description=(
-            "Requests running or waiting per replica that Serve aims for. Around max_num_seqs: "
-            "scale up once the seats are taken and requests start to wait."
-        ),
-    )
-    upscale_delay_s: float | None = Field(None, ge=0, description="Serve's wait before adding replicas (default 30 s).")
-    downscale_delay_s: float | None = Field(None, ge=0, description="Serve's wait before removing replicas (default 600 s).")
-
-    def serve_options(self) -> dict:
-        """The deployment's ``autoscaling_config`` (unset optional fields left to Serve)."""
-        return self.model_dump(exclude_none=True)
-
-    @model_validator(mode="after")
-    def _check(self) -> "AutoscalingSettings":
-        from ray.serve.config import AutoscalingConfig  # Serve's own checks (min <= initial <= max, ...)
-
-        AutoscalingConfig(**self.serve_options())
-        return self
 
 
 class ServeConfig(IngressConfig):
@@ -199,8 +163,8 @@ class ServeConfig(IngressConfig):
     autoscaling: AutoscalingSettings | None = Field(
         None,
         description=(
-            "Autoscale the replicas between min_replicas and max_replicas on ongoing requests per "
-            "replica (Serve's autoscaler) instead of a fixed count; replicas must then stay 'auto'."
+            "Autoscale the replicas between min_replicas and max_replicas (by default on seats, queue "
+            "wait and KV use: cluster/autoscaling/) instead of a fixed count; replicas must then stay 'auto'."
         ),
     )
 

@@ -109,6 +109,28 @@ PANELS = [
      "Adapters loaded into a device slot per second, per replica (each a miss: a request's adapter was not in a slot). "
      "Adapter-aware routing keeps it low.", "ops",
      [("{{replica}}", f"sum by (replica) (rate(carpool:lora_adapter_loads_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    # Autoscaling (the Carpool policy's series, per Serve application; empty while replicas are fixed).
+    ("Autoscaling", "", "", [], ROW),
+    ("Autoscaling: replicas",
+     "Replicas the Carpool policy targets and replicas running, per application, with its bounds.", "short",
+     [("target {{application}}", "carpool:autoscaler_target_replicas"),
+      ("running {{application}}", "carpool:autoscaler_current_replicas"),
+      ("max {{application}}", "carpool:autoscaler_max_replicas")], "timeseries"),
+    ("Autoscaling: last decision",
+     "The reason of the policy's last decision (seats_full_and_waiting, kv_cache_full, seats_underused, idle: "
+     "a change; within_targets, up_delay, down_delay, cooldown, replicas_starting, no_reports: a hold).", "short",
+     [("{{reason}}", "max by (reason) (carpool:autoscaler_last_decision) > 0")], "timeseries"),
+    ("Autoscaling: seats and KV (policy inputs)",
+     "Seat utilization (running / seats, all replicas) and the highest KV-block use of any replica, "
+     "averaged over the policy's look-back window.", "percentunit",
+     [("seats {{application}}", "carpool:autoscaler_seat_utilization"),
+      ("KV {{application}}", "carpool:autoscaler_kv_cache_usage")], "timeseries"),
+    ("Autoscaling: queue wait (policy input)",
+     "Longest head-of-queue wait for a seat of any replica, look-back average.", "s",
+     [("{{application}}", "carpool:autoscaler_queue_wait_seconds")], "timeseries"),
+    ("Autoscaling: scaling decisions",
+     "Changes of the target replica count, up and down.", "short",
+     [("{{direction}}", f"sum by (direction) (increase(carpool:autoscaler_decisions_total[{RATE}]))")], "timeseries"),
 ]
 
 

@@ -116,7 +116,7 @@ class OpenAIIngress:
         lora_registry: Optional[DeploymentHandle] = None,
     ) -> None:
         from replica.config import load_tokenizer, resolve_model_path
-        from replica.serve import log_through_serve, replica_id
+        from replica.serve import log_through_serve, replica_id, serve_app_name
         from router.metrics import IngressMetrics
 
         log_through_serve()
@@ -126,6 +126,7 @@ class OpenAIIngress:
         self.model_name = self.config.served_name(self.root_model)
         self.tokenizer = load_tokenizer(resolve_model_path(engine_config.tokenizer or self.root_model, weights=False))
         self.metrics = IngressMetrics(model_name=self.model_name, replica=replica_id())
+        self.app_name = serve_app_name()  # its autoscaler record's key
         configure(self.config.api_key, self.config.max_request_body_bytes, self.metrics)
         self.replicas = ReplicaView(replica, seats=engine_config.max_num_seqs, waiting=self.config.max_waiting_requests)
         self.checks = BodyChecks(self.config)
@@ -164,6 +165,7 @@ class OpenAIIngress:
         alone (with a warning in the log), never an error."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        from router.autoscaler_record import exposition as autoscaler_exposition
         from router.metrics import merge_expositions
 
         try:
@@ -174,6 +176,7 @@ class OpenAIIngress:
             logger.warning("GET /metrics: the replicas' series are left out of this scrape: %r", err)
             results = []
         texts = [r for r in results if isinstance(r, str)] + [self.metrics.exposition().decode()]
+        texts.append(await autoscaler_exposition(self.app_name))  # "" unless the Carpool policy scales this app
         return Response(merge_expositions(texts), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

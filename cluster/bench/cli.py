@@ -1,4 +1,4 @@
-"""The ``bench`` command group (typer): ``carpool bench offline|prefix|serve|overhead|profile|spec|lora|lora-routing`` (also ``python -m cluster.bench ...``).
+"""The ``bench`` command group (typer): ``carpool bench offline|prefix|serve|overhead|profile|spec|lora|lora-routing|autoscale`` (also ``python -m cluster.bench ...``).
 
 Attach it to the ``carpool`` app with ``app.add_typer(bench_app, name="bench")``. Heavy imports
 (torch, transformers, matplotlib) happen only when a command runs.
@@ -16,7 +16,7 @@ from replica.serve import log_to_stderr
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead); adapter-aware vs seat-only routing of LoRA requests (lora-routing).",
+    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead); adapter-aware vs seat-only routing of LoRA requests (lora-routing); the autoscaling policies on 2 nodes (autoscale).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -340,6 +340,31 @@ def lora_routing(
         )
     except ValueError as exc:
         _fail(str(exc))
+
+
+@bench_app.command("autoscale")
+def autoscale(
+    model: Optional[str] = typer.Option(None, help="Hub id or local folder (default: HuggingFaceTB/SmolLM2-135M-Instruct)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    policies: str = typer.Option("carpool,ongoing_requests", help="Comma-separated policies, run in turn: carpool, ongoing_requests."),
+    prometheus: Optional[str] = typer.Option(None, help="Path of a prometheus binary: read the Carpool policy's series back from a real Prometheus."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Autoscaling on a 2-node Ray cluster: a burst of tiny requests, then a step of long streams, per policy; replicas over time and every request's outcome."""
+    import json
+
+    from cluster.bench.autoscale import POLICIES, AutoscaleBench, autoscale_main
+
+    chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
+    if not chosen or any(p not in POLICIES for p in chosen):
+        _fail(f"--policies takes {', '.join(POLICIES)}, got {policies!r}")
+    out = autoscale_main(str(json_path) if json_path else None, AutoscaleBench(model=model, dtype=dtype), chosen, prometheus)
+    summary = {
+        p: {k: run.get(k) for k in ("deploy_s", "changes", "final_replicas", "record")}
+        | {phase: run[phase] for phase in ("tiny", "long")}
+        for p, run in out["runs"].items()
+    }
+    typer.echo(json.dumps(summary, indent=1))
 
 
 def _speculative_config(text: str | None) -> dict | None:

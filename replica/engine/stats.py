@@ -31,6 +31,12 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_cached_blocks: int = 0  # blocks in the prefix cache now (owned or free)
+    head_waiting_since: float | None = None  # arrival (time.monotonic()) of the next request to admit; None: none waits
+
+    def queue_wait_s(self, now: float) -> float:
+        """How long (seconds) the head of the waiting queue has waited for a seat at ``now``
+        (``time.monotonic()``); 0 when none waits."""
+        return 0.0 if self.head_waiting_since is None else max(0.0, now - self.head_waiting_since)
 
     @property
     def slot_utilization(self) -> float:
@@ -52,5 +58,6 @@ class EngineStats:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=block_manager.num_cached_blocks,
+            head_waiting_since=scheduler.waiting[0].arrival_time if scheduler.waiting else None,
         )
 

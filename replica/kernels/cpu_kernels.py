@@ -15,7 +15,8 @@ the reference backend (SDPA). The sampling kernels' reasons are at the top of th
 :func:`load` builds (once per CPU flag set, with ``g++`` and ``ninja``; then cached) and registers the
 ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
 ``has_bf16_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
-``sample_rows``); it returns False, once with a warning,
+``sample_rows``, ``shm_collective``: a tensor-parallel group's all-reduce and gather through
+shared memory, ``replica/worker/shm_all_reduce.py``); it returns False, once with a warning,
 where they cannot be built (the engine then uses the compiled formulation and torch's sampling).
 """
 
@@ -35,7 +36,7 @@ from replica.config.engine_config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_avx512.cpp", "cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp"))]
+SOURCES = [SOURCE, *(SOURCE.with_name(name) for name in ("cpu_attention.cpp", "cpu_attention_avx512.cpp", "cpu_linear_bf16.cpp", "cpu_linear_f32.cpp", "cpu_sampling.cpp", "cpu_shm_all_reduce.cpp"))]
 NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
 

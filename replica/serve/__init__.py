@@ -7,9 +7,9 @@ router and the cluster import: :class:`LLMReplica` (loaded on first use: it pull
 """
 
 from replica.serve.logs import log_through_serve, log_to_stderr
-from replica.serve.replica_info import node_ip, replica_id
+from replica.serve.replica_info import node_ip, replica_id, serve_app_name
 
-__all__ = ["LLMReplica", "log_through_serve", "log_to_stderr", "node_ip", "replica_id"]
+__all__ = ["LLMReplica", "log_through_serve", "log_to_stderr", "node_ip", "replica_id", "serve_app_name"]
 
 
 def __getattr__(name):  # lazy: the ingress imports this package and stays free of torch

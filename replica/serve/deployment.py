@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -288,6 +289,21 @@ class LLMReplica:
         ``lora_loaded`` (names of the LoRA adapters in device slots; adapter-aware routing).
         """
         return self._stats_dict()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the Carpool autoscaling policy scales on (``cluster/autoscaling/policy.py``); Serve
+        calls it every few seconds when the deployment autoscales and averages each key over its
+        look-back window. Keys: ``num_running``, ``num_slots`` (seats), ``num_waiting`` (requests),
+        ``queue_wait_s`` (how long the head of the waiting queue has waited, seconds),
+        ``kv_cache_usage`` (fraction of KV blocks in use, 0-1)."""
+        s = self.engine.stats()
+        return {
+            "num_running": float(s.num_running),
+            "num_slots": float(s.num_slots),
+            "num_waiting": float(s.num_waiting),
+            "queue_wait_s": s.queue_wait_s(time.monotonic()),
+            "kv_cache_usage": float(s.kv_cache_usage),
+        }
 
     async def stats(self) -> dict[str, Any]:
         """Same as :meth:`record_routing_stats` (for callers that hold a handle)."""

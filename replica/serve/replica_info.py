@@ -15,6 +15,16 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
+def serve_app_name() -> str | None:
+    """The Serve application this replica belongs to, or None outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().app_name
+    except Exception:
+        return None
+
+
 def replica_id() -> str:
     """This replica's Serve id (``app#deployment#suffix``), or the pid outside Serve."""
     try:

@@ -168,7 +168,8 @@ class ModelRunner:
                 wrap_forwards(self.lora.modules)
             if tp_layers:  # on CPU the row-wise layers sum through shared memory where it serves
                 hidden_bytes = self.hf_config.get_text_config().hidden_size * self.dtype.itemsize
-                self.reducer = shared_reducer(tp, hidden_bytes) if self.device.type == "cpu" else None
+                logits_bytes = -(-self.vocab_size // tp.world_size) * self.dtype.itemsize * self.max_num_seqs
+                self.reducer = shared_reducer(tp, hidden_bytes, logits_bytes) if self.device.type == "cpu" else None
                 install_forwards(tp_layers, self.device, self.reducer)
             if not probe_attention(self):  # the layers drop the DecodeStep: plan every step on the backend
                 self.backend.inline_decode = False

@@ -18,6 +18,8 @@ What Carpool adds around the library's plan:
   the local shards (:func:`~replica.worker.compilation.prepack_linears`); :func:`install_forwards`
   then puts the library's own forwards (its all-reduce and gather) back around the packed ones.
 * :class:`TPGroup`: the step message, one pickled broadcast from rank 0 per step over a gloo group.
+* On CPU, the row-wise layers' sums and the logits' gather through shared memory
+  (:mod:`replica.worker.shm_all_reduce`) instead of gloo.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ COLLECTIVE_TIMEOUT_S = 60.0
 # The other ranks wait for rank 0's next command as long as the replica idles; they still end at
 # once when rank 0 dies (its connections close).
 MESSAGE_TIMEOUT = datetime.timedelta(days=365)
+# Bytes of rank 0's message one broadcast carries (a decode step's inputs take a few KB).
+MESSAGE_BYTES = 1 << 16
 
 
 @dataclass
@@ -54,20 +58,42 @@ class TPGroup:
     message_group: object
     ranks: list = field(default_factory=list)  # rank 0: a handle per other rank, each with is_alive()
     broken: bool = False  # a forward failed here: the ranks' collectives no longer pair up
+    _buffer: torch.Tensor | None = field(default=None, repr=False)  # the step message's
 
     def ranks_alive(self) -> bool:
         """Rank 0: whether every other rank's process or actor still runs."""
         return all(handle.is_alive() for handle in self.ranks)
 
     def broadcast(self, message=None):
-        """Rank 0 sends ``message`` (any picklable object; numpy arrays travel as buffers), the
-        other ranks return it. Raises ``RuntimeError`` (from gloo) when a peer's connection has
-        closed (its process ended); a live rank that hangs is caught by the model's collectives
-        (:data:`COLLECTIVE_TIMEOUT_S`, the shared-memory all-reduce's timeout), not here, where
-        the other ranks wait as long as rank 0 idles (:data:`MESSAGE_TIMEOUT`)."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.message_group)
-        return box[0]
+        """Rank 0 sends ``message`` (any picklable object), the other ranks return it: pickled
+        into a buffer of :data:`MESSAGE_BYTES` (its length first), so that a step's message is one
+        gloo broadcast (``broadcast_object_list`` makes two: the size, then the data); a longer
+        one takes a second broadcast for the rest. Raises ``RuntimeError`` (from gloo) when a
+        peer's connection has closed (its process ended); a live rank that hangs is caught by the
+        model's collectives (:data:`COLLECTIVE_TIMEOUT_S`, the shared-memory all-reduce's
+        timeout), not here, where the other ranks wait as long as rank 0 idles
+        (:data:`MESSAGE_TIMEOUT`)."""
+        import pickle
+
+        if self._buffer is None:
+            self._buffer = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+        buffer, room = self._buffer, MESSAGE_BYTES - 8
+        data = b""
+        if self.rank == 0:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            buffer[:8].view(torch.int64)[0] = len(data)
+            head = data[:room]
+            buffer[8 : 8 + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        dist.broadcast(buffer, src=0, group=self.message_group)
+        size = int(buffer[:8].view(torch.int64)[0])
+        rest = torch.empty(max(0, size - room), dtype=torch.uint8)
+        if rest.numel():
+            if self.rank == 0:
+                rest.copy_(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8))
+            dist.broadcast(rest, src=0, group=self.message_group)
+        if self.rank == 0:
+            return message
+        return pickle.loads(buffer[8 : 8 + min(size, room)].numpy().tobytes() + rest.numpy().tobytes())
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (every rank calls it)."""
@@ -152,15 +178,20 @@ def install_forwards(hooked: list[tuple[torch.nn.Module, object]], device: torch
     library's, around whatever computes the local shard. With ``reducer`` (a
     :class:`~replica.worker.shm_all_reduce.ShmAllReduce`, CPU), the row-wise layers sum through it
     instead of the process group, as the library's inference path does: the local product, the
-    sum, then the bias once."""
+    sum, then the bias once; and the output embedding (column-wise, its output gathered, in equal
+    shares) gathers its logits through it onto rank 0, the one rank that samples from them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from transformers.integrations.tensor_parallel import RowwiseParallel
+    from transformers.integrations.tensor_parallel import ColwiseParallel, RowwiseParallel
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
     for module, style in hooked:
         if reducer is not None and isinstance(style, RowwiseParallel) and style.output_layouts == Replicate():
             _sum_through(module, reducer)
+        elif (reducer is not None and isinstance(style, ColwiseParallel) and style.output_layouts == Replicate()
+              and isinstance(module, torch.nn.Linear) and module.out_features % world == 0):
+            _gather_through(module, reducer, world)
         else:
             style.install_forward(module, mesh)
 
@@ -176,14 +207,25 @@ def _sum_through(module: torch.nn.Linear, reducer) -> None:
     module.forward = forward
 
 
-def shared_reducer(tp: TPGroup, hidden_bytes: int, max_tokens: int = 512):
+def _gather_through(module: torch.nn.Linear, reducer, world: int) -> None:
+    local = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.carpool.shm_gather(local(x), reducer.key, world)
+
+    module.forward = forward
+
+
+def shared_reducer(tp: TPGroup, hidden_bytes: int, logits_bytes: int = 0, max_tokens: int = 512):
     """A :class:`~replica.worker.shm_all_reduce.ShmAllReduce` for ``tp`` (every rank calls this at
-    the same point), for steps of up to ``max_tokens`` rows of ``hidden_bytes``; None on every rank
-    where shared memory cannot serve one of them (no ``/dev/shm``, not x86-64, no room)."""
+    the same point), for steps of up to ``max_tokens`` rows of ``hidden_bytes`` and gathers of up
+    to ``logits_bytes`` per rank (a decode step's logits: seats × the rank's share of the
+    vocabulary); None on every rank where shared memory cannot serve one of them (no ``/dev/shm``,
+    not x86-64, no room)."""
     from replica.worker import shm_all_reduce
 
     path = tp.broadcast(f"/dev/shm/carpool-tp-{os.getpid()}-{id(tp)}" if tp.rank == 0 else None)
-    max_bytes = hidden_bytes * max_tokens
+    max_bytes = max(hidden_bytes * max_tokens, logits_bytes)
     reducer = None
     if shm_all_reduce.available():
         if tp.rank == 0:

@@ -31,6 +31,7 @@ SPINS_PER_YIELD = 256
 TIMEOUT_S = 60.0
 CHECK_EVERY_S = 0.05
 _FLAG_BYTES = 64  # one cache line per rank's sequence number
+SUM, GATHER = 0, 1  # the C++ op's collectives
 
 _reducers: dict[int, ShmAllReduce] = {}
 
@@ -67,6 +68,11 @@ class ShmAllReduce:
         self.flags = self.buffer[: _FLAG_BYTES * world_size].view(torch.int64).view(world_size, -1)[:, 0]
         self.slots = self.buffer[_FLAG_BYTES * world_size :].view(2, world_size, max_bytes)
         self.seq = 0
+        # The C++ op (replica/kernels/csrc/cpu_shm_all_reduce.cpp): the same protocol and sums
+        # without Python in the wait; the Python path below where the kernels are not built.
+        from replica.kernels import cpu_kernels
+
+        self.native = cpu_kernels.load()
         self.key = id(self)
         _reducers[self.key] = self
 
@@ -84,6 +90,8 @@ class ShmAllReduce:
             torch.distributed.all_reduce(total)
             return total
         self.seq += 1
+        if self.native:
+            return self._native(x, SUM)
         seq, half = self.seq, self.slots[self.seq % 2]
         half[self.rank, :nbytes].view(x.dtype).view(x.shape).copy_(x.contiguous())
         self.flags[self.rank] = seq
@@ -95,6 +103,42 @@ class ShmAllReduce:
         for part in parts[1:]:
             total.add_(part)
         return total
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` of every rank concatenated along the last dimension, in rank order, on rank 0; on
+        the other ranks, which publish their part and go on without waiting (only rank 0 samples
+        from the gathered logits), an uninitialized tensor of that shape. None on every rank when
+        the tensor is larger than a slot or the C++ op is not built: the caller then gathers
+        through the process group.
+
+        Rank 0 reads call ``s``'s slots before it publishes call ``s + 1``, and a gather is the
+        last collective of a forward, so the next write to this half (call ``s + 2``) waits for it.
+
+        Raises: as :meth:`__call__`.
+        """
+        nbytes = x.numel() * x.element_size()
+        if nbytes > self.max_bytes or not self.native:
+            return None
+        self.seq += 1
+        if self.rank != 0:
+            torch.ops.carpool_cpu.shm_collective(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, True, 0.0, GATHER)
+            return x.new_empty(*x.shape[:-1], x.shape[-1] * self.world_size)  # not read: rank 0 samples
+        return self._native(x, GATHER)
+
+    def _native(self, x: torch.Tensor, op: int) -> torch.Tensor:
+        """Call ``self.seq`` through the C++ op, checking between waits of :data:`CHECK_EVERY_S`
+        that the peers still run."""
+        call = torch.ops.carpool_cpu.shm_collective
+        out = call(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, True, CHECK_EVERY_S, op)
+        waited = 0.0
+        while out.numel() == 0 and x.numel() > 0:
+            waited += CHECK_EVERY_S
+            if waited > TIMEOUT_S:
+                raise TimeoutError(f"a tensor-parallel rank did not reach all-reduce {self.seq} in {TIMEOUT_S:g} s")
+            if self.peers_alive is not None and not self.peers_alive():
+                raise RuntimeError(f"a tensor-parallel rank has ended (all-reduce {self.seq})")
+            out = call(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, False, CHECK_EVERY_S, op)
+        return out
 
     def _wait(self, peer: int, seq: int) -> None:
         deadline = next_check = None
@@ -123,3 +167,22 @@ def shm_all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
 @shm_all_reduce.register_fake
 def _(x, key):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("carpool::shm_gather", mutates_args=())
+def shm_gather(x: torch.Tensor, key: int, world_size: int) -> torch.Tensor:
+    """``x`` ``[..., n]`` of every rank joined along the last dimension (``[..., n * world_size]``)
+    on rank 0, by the :class:`ShmAllReduce` registered as ``key``; on the other ranks a tensor of
+    that shape whose values are not used. Through the process group where the shared buffer
+    cannot take it."""
+    out = _reducers[key].gather(x)
+    if out is not None:
+        return out
+    parts = [torch.empty_like(x) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+@shm_gather.register_fake
+def _(x, key, world_size):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * world_size)

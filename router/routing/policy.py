@@ -216,6 +216,17 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         if self._outstanding.get(replica_id, 0) > 0:
             self._outstanding[replica_id] -= 1
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Serve's new replica set (a scale-up or scale-down, a replacement): forget the removed
+        # replicas' counts and records (a replica scaled down takes its prefix cache with it).
+        super().update_replicas(replicas)
+        current = {r.replica_id for r in replicas}
+        for table in (self._outstanding, self._reserved):
+            for gone in [r for r in table if r not in current]:
+                del table[gone]
+        self.affinity.retain(current)
+        self.loras.retain(current)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._outstanding.pop(replica_id, None)

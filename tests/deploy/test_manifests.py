@@ -78,16 +78,24 @@ def test_serve_config_is_a_valid_serve_config_for_app_builder(serve_config):
 
 
 def test_serve_config_scales_replicas_one_gpu_each(serve_config):
+    """The shipped config autoscales LLMReplica with the Carpool policy (args.autoscaling), which
+    app_builder turns into the deployment's autoscaling_config; no fixed count beside it."""
     from ray.serve.config import AutoscalingConfig
+
+    from cluster.app import app_builder
 
     entry = replica_entry(serve_config)
     assert entry["ray_actor_options"]["num_gpus"] == 1
-    assert "num_replicas" not in entry  # Serve rejects num_replicas together with autoscaling_config
-    scaling = AutoscalingConfig(**entry["autoscaling_config"])
+    assert "num_replicas" not in entry and "autoscaling_config" not in entry  # args.autoscaling decides
+    (app,) = serve_config["applications"]
+    replica = app_builder(app["args"])._bound_deployment.init_args[0]._bound_deployment  # ingress → replica
+    scaling = replica._deployment_config.autoscaling_config
+    assert isinstance(scaling, AutoscalingConfig)
     assert 1 <= scaling.min_replicas < scaling.max_replicas
-    seats = serve_config["applications"][0]["args"]["engine"]["max_num_seqs"]
-    # Scale before the seats are all taken, and let requests queue in the engine, not in Serve.
-    assert scaling.target_ongoing_requests <= seats < entry["max_ongoing_requests"]
+    assert scaling.policy.policy_function == "cluster.autoscaling.policy:CarpoolAutoscalingPolicy"
+    assert scaling.policy.policy_kwargs["upscale_delay_s"] == app["args"]["autoscaling"]["upscale_delay_s"]
+    # Requests queue in the engine (its queue wait is what the policy reads), not in Serve.
+    assert app["args"]["engine"]["max_num_seqs"] < entry["max_ongoing_requests"]
 
 
 # ---- the RayService ---------------------------------------------------------------------------
@@ -146,7 +154,7 @@ def test_rayservice_groups_ports_and_probes(rayservice, serve_config):
     probe = worker["readinessProbe"]["httpGet"]
     assert (probe["path"], probe["port"]) == ("/-/healthz", 8000)  # Serve's proxy health path
 
-    scaling = replica_entry(serve_config)["autoscaling_config"]
+    scaling = serve_config["applications"][0]["args"]["autoscaling"]
     assert (gpu["minReplicas"], gpu["maxReplicas"]) == (scaling["min_replicas"], scaling["max_replicas"])
     assert cluster["enableInTreeAutoscaling"] is True
 

@@ -89,12 +89,15 @@ def test_config_overrides_reach_the_deployments(served, shipped):
     assert config["ray_actor_options"]["num_cpus"] == 1 and config["ray_actor_options"]["num_gpus"] == 0
     expected = [d for d in shipped["applications"][0]["deployments"] if d["name"] == "LLMReplica"][0]
     assert config["max_ongoing_requests"] == expected["max_ongoing_requests"]
+    # args.autoscaling became the deployment's autoscaling_config: the Carpool policy, its bounds.
+    wanted = shipped["applications"][0]["args"]["autoscaling"]
     scaling = config["autoscaling_config"]
-    for key, value in expected["autoscaling_config"].items():
-        assert scaling[key] == value, key
-    # Autoscaled from initial_replicas; with no load it stays there.
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (wanted["min_replicas"], wanted["max_replicas"])
+    assert scaling["policy"]["policy_function"] == "cluster.autoscaling.policy:CarpoolAutoscalingPolicy"
+    assert scaling["policy"]["policy_kwargs"]["downscale_delay_s"] == wanted["downscale_delay_s"]
+    # Autoscaled from min_replicas; with no load it stays there.
     running = [r for r in replica["replicas"] if r["state"] == "RUNNING"]
-    assert len(running) == expected["autoscaling_config"]["initial_replicas"]
+    assert len(running) == wanted["min_replicas"]
     assert details["deployments"]["OpenAIIngress"]["status"] == "HEALTHY"
 
 

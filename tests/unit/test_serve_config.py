@@ -100,13 +100,18 @@ def test_autoscaling_becomes_the_replica_autoscaling_config():
 
     config = ServeConfig(
         engine={"device": "cuda"},
-        autoscaling={"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 24, "upscale_delay_s": 5},
+        autoscaling={
+            "policy": "ongoing_requests", "min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 24,
+            "upscale_delay_s": 5,
+        },
     )
     options = replica_deployment_options(config, None)
     assert "num_replicas" not in options
     assert options["autoscaling_config"] == {
         "min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 24, "upscale_delay_s": 5,
+        "look_back_period_s": 30.0, "metrics_interval_s": 2.0,
     }
+    assert options["graceful_shutdown_timeout_s"] == 300.0  # a replica scaled down finishes its requests
     scaling = _replica_deployment(build_app(config))._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests, scaling.upscale_delay_s) == (1, 8, 24, 5)
     with pytest.raises(ValueError, match="autoscaling"):

@@ -1,0 +1,101 @@
+// The shared-memory all-reduce and gather of a CPU tensor-parallel group's ranks, without Python
+// in between (replica/worker/shm_all_reduce.py holds the protocol, the buffer and the Python
+// fallbacks; this file is its per-call work). The buffer: one 64-byte line per rank holding the
+// sequence number it last published, then two halves (call parity) of one slot of max_bytes per
+// rank. A call copies x into this rank's slot of half seq % 2, publishes seq (a release store),
+// waits until every peer has published seq (acquire loads, spinning with a pause, then yielding),
+// and sums the slots in rank order (the same order on every rank: every rank gets the same
+// bits) or concatenates them along the last dimension (the gather). A wait longer than wait_s
+// returns an empty tensor: the caller checks that the peers still live and calls again with
+// publish = false.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <immintrin.h>
+#include <sched.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kFlagStride = 8;  // int64s per rank's line (64 bytes)
+
+bool wait_for_peers(const int64_t* flags, int64_t rank, int64_t world, int64_t seq, double wait_s) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t peer = 0; peer < world; ++peer) {
+    if (peer == rank) continue;
+    const int64_t* flag = flags + peer * kFlagStride;
+    int64_t spins = 0;
+    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < seq) {
+      if (++spins < 2048) {
+        _mm_pause();
+        continue;
+      }
+      sched_yield();
+      if ((spins & 63) == 0) {
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (waited > wait_s) return false;
+      }
+    }
+  }
+  return true;
+}
+
+template <typename T>
+void sum_slots(const uint8_t* half, int64_t max_bytes, int64_t world, int64_t n, T* out) {
+  const T* first = reinterpret_cast<const T*>(half);
+  std::memcpy(out, first, n * sizeof(T));
+  for (int64_t r = 1; r < world; ++r) {
+    const T* part = reinterpret_cast<const T*>(half + r * max_bytes);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(out[i]) + static_cast<float>(part[i]));
+  }
+}
+
+// op: 0 = sum (all-reduce), 1 = gather along the last dimension.
+at::Tensor shm_collective(const at::Tensor& x, const at::Tensor& buffer, int64_t rank, int64_t world, int64_t seq,
+                          int64_t max_bytes, bool publish, double wait_s, int64_t op) {
+  TORCH_CHECK(buffer.scalar_type() == at::kByte && buffer.is_contiguous(), "shm_collective: a uint8 buffer");
+  auto xc = x.contiguous();
+  const int64_t nbytes = xc.numel() * xc.element_size();
+  TORCH_CHECK(nbytes <= max_bytes, "shm_collective: tensor larger than a slot");
+  uint8_t* base = buffer.data_ptr<uint8_t>();
+  int64_t* flags = reinterpret_cast<int64_t*>(base);
+  uint8_t* half = base + 64 * world + (seq % 2) * world * max_bytes;
+  if (publish) {
+    std::memcpy(half + rank * max_bytes, xc.data_ptr(), nbytes);
+    __atomic_store_n(flags + rank * kFlagStride, seq, __ATOMIC_RELEASE);
+  }
+  if (!wait_for_peers(flags, rank, world, seq, wait_s)) return at::empty({0}, xc.options());
+  if (op == 1) {
+    std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
+    const int64_t cols = shape.empty() ? 1 : shape.back();
+    const int64_t rows = cols ? xc.numel() / cols : 0;
+    shape.back() = cols * world;
+    auto out = at::empty(shape, xc.options());
+    uint8_t* o = static_cast<uint8_t*>(out.data_ptr());
+    const int64_t row_bytes = cols * xc.element_size();
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t r = 0; r < world; ++r)
+        std::memcpy(o + (i * world + r) * row_bytes, half + r * max_bytes + i * row_bytes, row_bytes);
+    return out;
+  }
+  auto out = at::empty_like(xc);
+  const int64_t n = xc.numel();
+  switch (xc.scalar_type()) {
+    case at::kFloat: sum_slots(half, max_bytes, world, n, out.data_ptr<float>()); break;
+    case at::kBFloat16: sum_slots(half, max_bytes, world, n, out.data_ptr<at::BFloat16>()); break;
+    case at::kHalf: sum_slots(half, max_bytes, world, n, out.data_ptr<at::Half>()); break;
+    default: TORCH_CHECK(false, "shm_collective: float32, bfloat16 or float16, got ", xc.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(carpool_cpu, m) {
+  m.def("shm_collective(Tensor x, Tensor buffer, int rank, int world, int seq, int max_bytes, bool publish, float wait_s, int op) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(carpool_cpu, CPU, m) { m.impl("shm_collective", &shm_collective); }

@@ -1,0 +1,234 @@
+"""The Carpool autoscaling policy's decisions (``cluster/autoscaling/policy.py``), its settings, and
+the policy as Serve's controller runs it (Serve's own wrapper and ``AutoscalingContext``).
+
+The served behaviour, on a 2-node Ray cluster with the real model, is in
+``tests/e2e/test_autoscaling.py``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.autoscaling import AutoscalingSettings, parse_autoscale
+from cluster.autoscaling.policy import REASONS, Load, decide
+from cluster.config import ServeConfig, format_validation_error
+
+SETTINGS = AutoscalingSettings(max_replicas=4).carpool_kwargs()  # the defaults
+SEATS = 8
+
+
+def load(replicas: int, running: float, waiting: float = 0, wait_s: float = 0.0, kv: float = 0.1, ongoing=None) -> Load:
+    return Load(
+        replicas=replicas, running=running, seats=SEATS * replicas, waiting=waiting, queue_wait_s=wait_s,
+        kv_cache_usage=kv, ongoing=running + waiting if ongoing is None else ongoing,
+    )
+
+
+def run(loads, current=1, low=1, high=4, settings=SETTINGS, start=1000.0, step=1.0):
+    """Feed ``loads`` (a callable of the replica count, or one Load) once per ``step`` seconds;
+    replicas follow the target at once. Returns [(time, target, reason)] of every call."""
+    state, target, out = {}, current, []
+    for i in range(loads[1] if isinstance(loads, tuple) else 600):
+        now = start + i * step
+        current_load = loads[0](target) if isinstance(loads, tuple) else loads(target)
+        d = decide(current_load, target, target, low, high, settings, state, now)
+        state, target = d.state, d.target
+        out.append((now, target, d.reason))
+    return out
+
+
+def changes(trace):
+    return [(t, n) for (t, n, _), (_, before, _) in zip(trace[1:], trace) if n != before]
+
+
+def test_full_seats_with_waiting_requests_scale_up_after_the_delay():
+    busy = load(1, running=SEATS, waiting=6, wait_s=3.0)
+    first = decide(busy, 1, 1, 1, 4, SETTINGS, {}, 0.0)
+    assert (first.target, first.reason) == (1, "up_delay")
+    later = decide(busy, 1, 1, 1, 4, SETTINGS, first.state, SETTINGS["upscale_delay_s"])
+    # running + waiting = 14 requests need ceil(14 / (8 * 0.9)) = 2 replicas
+    assert (later.target, later.reason) == (2, "seats_full_and_waiting")
+
+
+def test_many_tiny_requests_without_waits_do_not_scale_up():
+    # 30 requests in flight (Serve's count), seats half used, nobody waits a second.
+    tiny = load(1, running=4, waiting=2, wait_s=0.05, ongoing=30)
+    trace = run(lambda n: tiny, high=4)
+    assert changes(trace) == []
+    assert {reason for _, _, reason in trace} == {"within_targets"}
+
+
+def test_full_seats_without_waits_hold():
+    # Every seat taken but no request waits: adding a replica would not help anyone yet.
+    assert decide(load(1, SEATS, 0, 0.0), 1, 1, 1, 4, SETTINGS, {}, 0.0).reason == "within_targets"
+
+
+def test_a_nearly_full_kv_pool_scales_up():
+    kv = load(1, running=3, kv=0.97)
+    d = decide(kv, 1, 1, 1, 4, SETTINGS, {"up_since": 0.0}, 100.0)
+    assert (d.target, d.reason) == (2, "kv_cache_full")
+
+
+def test_underused_seats_scale_down_after_the_delay_never_below_min():
+    quiet = load(3, running=3)  # fits on one replica at 0.5 utilization: 3 <= 8 * 0.5
+    assert decide(quiet, 3, 3, 1, 4, SETTINGS, {}, 0.0).reason == "down_delay"
+    d = decide(quiet, 3, 3, 1, 4, SETTINGS, {"down_since": 0.0}, SETTINGS["downscale_delay_s"])
+    assert (d.target, d.reason) == (1, "seats_underused")
+    assert decide(quiet, 3, 3, 3, 4, SETTINGS, {"down_since": 0.0}, 1e6).target == 3  # min_replicas 3
+
+
+def test_no_scale_down_while_requests_wait():
+    waiting = load(2, running=2, waiting=1, wait_s=2.0)
+    d = decide(waiting, 2, 2, 1, 4, SETTINGS, {"down_since": 0.0}, 1e6)
+    assert d.target == 2
+
+
+def test_scale_to_zero_only_with_min_zero_and_no_request():
+    idle = load(1, running=0, ongoing=0)
+    assert decide(idle, 1, 1, 1, 4, SETTINGS, {"down_since": 0.0}, 1e6).target == 1  # min 1
+    d = decide(idle, 1, 1, 0, 4, SETTINGS, {"down_since": 0.0}, 1e6)
+    assert (d.target, d.reason) == (0, "idle")
+    handle_queue = load(1, running=0, ongoing=1)  # a request queued at the handle: not idle
+    assert decide(handle_queue, 1, 1, 0, 4, SETTINGS, {"down_since": 0.0}, 1e6).target == 1
+    assert decide(Load(0, 0, 0, 0, 0, 0, 0), 0, 0, 0, 4, SETTINGS, {}, 1e6).target == 0
+
+
+def test_cooldown_holds_every_decision_after_a_change():
+    busy = load(2, running=2 * SEATS, waiting=10, wait_s=5.0)
+    state = {"changed_at": 100.0, "up_since": 0.0}
+    d = decide(busy, 2, 2, 1, 4, SETTINGS, state, 100.0 + SETTINGS["cooldown_s"] - 1)
+    assert (d.target, d.reason) == (2, "cooldown")
+    assert decide(busy, 2, 2, 1, 4, SETTINGS, d.state, 100.0 + SETTINGS["cooldown_s"]).target > 2
+
+
+def test_no_second_scale_up_while_a_replica_starts():
+    busy = load(1, running=SEATS, waiting=8, wait_s=5.0)
+    d = decide(busy, current=1, target=2, low=1, high=4, settings=SETTINGS, state={"up_since": 0.0}, now=1e6)
+    assert (d.target, d.reason) == (2, "replicas_starting")
+
+
+def test_bounds_and_no_reports():
+    huge = load(1, running=SEATS, waiting=500, wait_s=60.0)
+    assert decide(huge, 1, 1, 1, 3, SETTINGS, {"up_since": 0.0}, 1e6).target == 3  # at most max_replicas
+    assert decide(Load(0, 0, 0, 0, 0, 0, 5), 1, 1, 1, 3, SETTINGS, {}, 1e6).reason == "no_reports"
+
+
+@pytest.mark.parametrize("requests", range(0, 4 * SEATS + 1, 3))
+def test_a_steady_load_converges_without_flapping(requests):
+    """A fixed number of requests, each replica taking up to SEATS of them, the rest waiting (a
+    second each): whatever the count, the target moves one way and then stays; two changes are
+    never closer than the cooldown."""
+
+    def steady(n: int) -> Load:
+        running = min(requests, n * SEATS)
+        waiting = requests - running
+        return load(n, running, waiting, wait_s=2.0 if waiting else 0.0)
+
+    trace = run(steady, current=1, high=4)
+    moved = changes(trace)
+    directions = {b > a for (_, a), (_, b) in zip([(0, 1)] + moved, moved)}
+    assert len(directions) <= 1, moved  # never up then down, or down then up
+    assert all(t2 - t1 >= SETTINGS["cooldown_s"] for (t1, _), (t2, _) in zip(moved, moved[1:])), moved
+
+
+def test_noise_around_the_thresholds_gives_at_most_one_decision_per_cooldown():
+    """Seat use and waits jumping around both thresholds every second for an hour."""
+    rng = random.Random(0)
+
+    def noisy(n: int) -> Load:
+        running = rng.uniform(0.4, 1.0) * n * SEATS
+        return load(n, running, rng.choice([0, 2]), wait_s=rng.uniform(0.0, 2.0), kv=rng.uniform(0.5, 0.97))
+
+    trace = run((noisy, 3600), current=2, high=4)
+    moved = changes(trace)
+    assert all(t2 - t1 >= SETTINGS["cooldown_s"] for (t1, _), (t2, _) in zip(moved, moved[1:])), moved
+    assert len(moved) <= 3600 / SETTINGS["cooldown_s"]
+    assert {reason for _, _, reason in trace} <= set(REASONS)
+
+
+def test_load_from_serve_metrics_sums_seats_and_takes_the_worst_wait():
+    metrics = {
+        "num_slots": {"a": 8.0, "b": 8.0}, "num_running": {"a": 8.0, "b": 4.0}, "num_waiting": {"a": 3.0, "b": 0.0},
+        "queue_wait_s": {"a": 2.5, "b": 0.0}, "kv_cache_usage": {"a": 0.5, "b": float("nan")},
+    }
+    got = Load.from_metrics(metrics, ongoing=15)
+    assert (got.replicas, got.running, got.seats, got.waiting, got.queue_wait_s, got.kv_cache_usage) == (2, 12, 16, 3, 2.5, 0.5)
+    assert got.seat_utilization == 0.75
+    assert Load.from_metrics(None, 0).replicas == 0
+
+
+def test_the_policy_runs_under_serves_wrapper_with_a_context():
+    """As Serve's controller runs it: the class from the import path Serve serializes, its
+    ``policy_kwargs``, Serve's wrapper (bounds, delays at 0), a real ``AutoscalingContext``."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    settings = AutoscalingSettings(max_replicas=3, upscale_delay_s=0, cooldown_s=0)
+    config = AutoscalingConfig(**settings.serve_options())
+    policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
+
+    def context(running: dict, waiting: dict, wait: dict, state: dict, target: int = 1) -> AutoscalingContext:
+        replicas = list(running)
+        return AutoscalingContext(
+            deployment_id=DeploymentID(name="LLMReplica", app_name="t"), deployment_name="LLMReplica", app_name="t",
+            current_num_replicas=len(replicas), target_num_replicas=target, running_replicas=replicas,
+            total_num_requests=sum(running.values()) + sum(waiting.values()), total_queued_requests=0,
+            aggregated_metrics={
+                "num_slots": {r: 4.0 for r in replicas}, "num_running": running, "num_waiting": waiting,
+                "queue_wait_s": wait, "kv_cache_usage": {r: 0.2 for r in replicas},
+            },
+            raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3,
+            policy_state=state, last_scale_up_time=None, last_scale_down_time=None, current_time=50.0, config=config,
+        )
+
+    target, state = policy(context({"r1": 4.0}, {"r1": 6.0}, {"r1": 2.0}, {}))
+    assert target == 3  # 10 requests at 0.9 of 4 seats need 3 replicas
+    target, _ = policy(context({"r1": 1.0}, {"r1": 0.0}, {"r1": 0.0}, {}))
+    assert target == 1
+
+
+def test_settings_refuse_bad_values_naming_them():
+    def error(**fields) -> str:
+        with pytest.raises(ValidationError) as info:
+            ServeConfig(autoscaling=fields)
+        return format_validation_error(info.value)
+
+    assert "min_replicas (3) is above max_replicas (2)" in error(min_replicas=3, max_replicas=2)
+    assert "autoscaling.target_queue_wait_s" in error(max_replicas=2, target_queue_wait_s=0)
+    assert "autoscaling.target_seat_utilization" in error(max_replicas=2, target_seat_utilization=-0.5)
+    assert "autoscaling.cooldown_s" in error(max_replicas=2, cooldown_s=-1)
+    assert "target_ongoing_requests: not a setting of policy 'carpool'" in error(max_replicas=2, target_ongoing_requests=4)
+    assert "target_queue_wait_s: not a setting of policy 'ongoing_requests'" in error(
+        max_replicas=2, policy="ongoing_requests", target_queue_wait_s=1
+    )
+    assert "downscale_seat_utilization (0.95) must be below" in error(max_replicas=2, downscale_seat_utilization=0.95)
+    assert "look_back_period_s (1) must be longer than metrics_interval_s (2)" in error(max_replicas=2, look_back_period_s=1)
+    assert "initial_replicas (5)" in error(max_replicas=2, initial_replicas=5)
+    with pytest.raises(ValidationError, match="not both"):
+        ServeConfig(replicas=2, autoscaling={"max_replicas": 2})
+
+
+def test_carpool_policy_goes_to_serve_with_its_own_delays():
+    options = AutoscalingSettings(min_replicas=0, max_replicas=4, upscale_delay_s=5).serve_options()
+    assert (options["upscale_delay_s"], options["downscale_delay_s"]) == (0.0, 0.0)  # the policy applies them
+    assert options["policy"]["policy_function"] == "cluster.autoscaling.policy:CarpoolAutoscalingPolicy"
+    assert options["policy"]["policy_kwargs"]["upscale_delay_s"] == 5
+    assert options["min_replicas"] == 0
+
+
+def test_autoscale_flag():
+    from cluster.cli import build_config
+
+    assert parse_autoscale("1:4") == {"min_replicas": 1, "max_replicas": 4}
+    for bad in ("4", "a:b", "1:-2", ":3"):
+        with pytest.raises(ValueError, match="--autoscale takes MIN:MAX"):
+            parse_autoscale(bad)
+    cfg = build_config(None, {}, {}, {"min_replicas": 0, "max_replicas": 2, "target_queue_wait_s": 0.5, "policy": None})
+    assert (cfg.autoscaling.min_replicas, cfg.autoscaling.max_replicas, cfg.autoscaling.target_queue_wait_s) == (0, 2, 0.5)
+    with pytest.raises(ValueError, match="--autoscale MIN:MAX"):
+        build_config(None, {}, {}, {"target_queue_wait_s": 0.5})
+    assert build_config(None, {}, {}, {"policy": None}).autoscaling is None
