@@ -17,6 +17,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -49,7 +51,24 @@ void sum_slots(const uint8_t* half, int64_t max_bytes, int64_t world, int64_t n,
   std::memcpy(out, first, n * sizeof(T));
   for (int64_t r = 1; r < world; ++r) {
     const T* part = reinterpret_cast<const T*>(half + r * max_bytes);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(out[i]) + static_cast<float>(part[i]));
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      // 16 at a time: widen to float32, add, round to nearest even as c10::BFloat16 does (NaN to
+      // 0x7FC0): the same bits as the scalar loop below and as torch's add of two bf16 tensors.
+      const __m512i ones = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC00000);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + i))), 16));
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(part + i))), 16));
+        const __m512 sum = _mm512_add_ps(a, b);
+        const __m512i bits = _mm512_castps_si512(sum);
+        __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), ones), bias));
+        rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q), qnan);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+      }
+    }
+#endif
+    for (; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(out[i]) + static_cast<float>(part[i]));
   }
 }
 
@@ -64,7 +83,8 @@ at::Tensor shm_collective(const at::Tensor& x, const at::Tensor& buffer, int64_t
   int64_t* flags = reinterpret_cast<int64_t*>(base);
   uint8_t* half = base + 64 * world + (seq % 2) * world * max_bytes;
   if (publish) {
-    std::memcpy(half + rank * max_bytes, xc.data_ptr(), nbytes);
+    if (op != 1 || rank != 0)  // a gather's own part on rank 0 is read from x: no one else reads it
+      std::memcpy(half + rank * max_bytes, xc.data_ptr(), nbytes);
     __atomic_store_n(flags + rank * kFlagStride, seq, __ATOMIC_RELEASE);
   }
   if (!wait_for_peers(flags, rank, world, seq, wait_s)) return at::empty({0}, xc.options());
@@ -76,9 +96,12 @@ at::Tensor shm_collective(const at::Tensor& x, const at::Tensor& buffer, int64_t
     auto out = at::empty(shape, xc.options());
     uint8_t* o = static_cast<uint8_t*>(out.data_ptr());
     const int64_t row_bytes = cols * xc.element_size();
+    const uint8_t* own = static_cast<const uint8_t*>(xc.data_ptr());
     for (int64_t i = 0; i < rows; ++i)
-      for (int64_t r = 0; r < world; ++r)
-        std::memcpy(o + (i * world + r) * row_bytes, half + r * max_bytes + i * row_bytes, row_bytes);
+      for (int64_t r = 0; r < world; ++r) {
+        const uint8_t* from = r == rank ? own : half + r * max_bytes;
+        std::memcpy(o + (i * world + r) * row_bytes, from + i * row_bytes, row_bytes);
+      }
     return out;
   }
   auto out = at::empty_like(xc);
