@@ -118,10 +118,12 @@ PANELS = [
       ("max {{application}}", "carpool:autoscaler_max_replicas")], "timeseries"),
     ("Autoscaling: last decision",
      "The reason of the policy's last decision (seats_full_and_waiting, kv_cache_full, seats_underused, idle: "
-     "a change; within_targets, up_delay, down_delay, cooldown, replicas_starting, no_reports: a hold).", "short",
-     [("{{reason}}", "max by (reason) (carpool:autoscaler_last_decision) > 0")], "timeseries"),
+     "a change; within_targets, up_delay, down_delay, cooldown, replicas_starting, no_reports: a hold), "
+     "and the reason of the last change.", "short",
+     [("{{reason}}", "max by (reason) (carpool:autoscaler_last_decision) > 0"),
+      ("last change: {{reason}}", "max by (reason) (carpool:autoscaler_last_change) > 0")], "timeseries"),
     ("Autoscaling: seats and KV (policy inputs)",
-     "Seat utilization (running / seats, all replicas) and the highest KV-block use of any replica, "
+     "Seat utilization (running / seats, all replicas) and the replicas' mean KV-block use, "
      "averaged over the policy's look-back window.", "percentunit",
      [("seats {{application}}", "carpool:autoscaler_seat_utilization"),
       ("KV {{application}}", "carpool:autoscaler_kv_cache_usage")], "timeseries"),

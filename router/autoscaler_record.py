@@ -10,10 +10,13 @@ Series (Prometheus text; ``application`` label: the Serve app's name):
 * ``carpool:autoscaler_target_replicas``, ``carpool:autoscaler_current_replicas``,
   ``carpool:autoscaler_min_replicas``, ``carpool:autoscaler_max_replicas`` (gauges, replicas);
 * the policy's inputs, averaged over its look-back window: ``carpool:autoscaler_seat_utilization``
-  (0-1), ``carpool:autoscaler_queue_wait_seconds``, ``carpool:autoscaler_kv_cache_usage`` (0-1),
+  (0-1), ``carpool:autoscaler_queue_wait_seconds``, ``carpool:autoscaler_kv_cache_usage`` (the
+  replicas' mean, 0-1),
   ``carpool:autoscaler_requests_waiting``;
 * ``carpool:autoscaler_last_decision{reason}``: 1 for the reason of the last decision, 0 for the
-  others (every reason of ``cluster.autoscaling.policy.REASONS`` is present);
+  others (every reason of :data:`REASONS` is present); most decisions hold the target (a change
+  is followed by ``cooldown``), so ``carpool:autoscaler_last_change{reason}`` keeps the reason of
+  the last change (:data:`CHANGE_REASONS`; all 0 before the first);
 * ``carpool:autoscaler_decisions_total{direction}``: changes of the target, ``up`` or ``down``.
 """
 
@@ -30,7 +33,7 @@ GAUGES = {
     "max_replicas": ("autoscaler_max_replicas", "The policy's upper bound (max_replicas)."),
     "seat_utilization": ("autoscaler_seat_utilization", "Running requests / seats over the look-back window (policy input)."),
     "queue_wait_s": ("autoscaler_queue_wait_seconds", "Longest head-of-queue wait of any replica, look-back average (policy input)."),
-    "kv_cache_usage": ("autoscaler_kv_cache_usage", "Highest KV-block use of any replica, look-back average (policy input)."),
+    "kv_cache_usage": ("autoscaler_kv_cache_usage", "The replicas' mean KV-block use, look-back average (policy input)."),
     "num_waiting": ("autoscaler_requests_waiting", "Requests waiting for a seat, look-back average (policy input)."),
 }
 REASONS = (
@@ -38,6 +41,8 @@ REASONS = (
     "within_targets", "up_delay", "down_delay", "cooldown", "replicas_starting", "no_reports",
 )
 """Every reason a decision of the policy may give (``cluster/autoscaling/policy.py``'s ``decide``)."""
+CHANGE_REASONS = REASONS[:4]
+"""The reasons of a change of the target (the others hold it)."""
 
 
 def actor_name(app_name: str | None) -> str:
@@ -50,6 +55,7 @@ class AutoscalerRecord:
     def __init__(self, app_name: str) -> None:
         self.app_name = app_name
         self.last: dict[str, Any] | None = None
+        self.last_change: str | None = None  # the reason of the last change of the target
         self.decisions = {"up": 0, "down": 0}
 
     def update(self, decision: dict[str, Any]) -> None:
@@ -57,17 +63,21 @@ class AutoscalerRecord:
         None when the target did not change) and ``time``)."""
         if decision.get("direction") in self.decisions:
             self.decisions[decision["direction"]] += 1
+            self.last_change = decision.get("reason")
         self.last = decision
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"last": the last decision or None, "decisions": {"up": n, "down": n}}``."""
-        return {"last": self.last, "decisions": dict(self.decisions)}
+        """``{"last": the last decision or None, "last_change": its reason or None,
+        "decisions": {"up": n, "down": n}}``."""
+        return {"last": self.last, "last_change": self.last_change, "decisions": dict(self.decisions)}
 
     def exposition(self) -> str:
         """The series above in the Prometheus text format ("" before the first decision)."""
         if self.last is None:
             return ""
-        from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+        from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+
+        disable_created_metrics()  # this actor's own process: no *_created series beside the counter
 
         registry = CollectorRegistry()
         labels = {"application": self.app_name}
@@ -79,6 +89,12 @@ class AutoscalerRecord:
         )
         for r in REASONS:
             reason.labels(**labels, reason=r).set(1.0 if self.last.get("reason") == r else 0.0)
+        change = Gauge(
+            "carpool:autoscaler_last_change", "1 for the reason of the policy's last change of the target.",
+            [*labels, "reason"], registry=registry,
+        )
+        for r in CHANGE_REASONS:
+            change.labels(**labels, reason=r).set(1.0 if self.last_change == r else 0.0)
         counter = Counter(
             "carpool:autoscaler_decisions", "Changes of the target replica count, by direction.", [*labels, "direction"],
             registry=registry,

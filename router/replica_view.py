@@ -39,6 +39,7 @@ class DeploymentView(NamedTuple):
     status: str  # Serve's deployment status: HEALTHY, UPDATING, UPSCALING, DOWNSCALING, UNHEALTHY, ...
     max_replicas: int | None  # autoscaling max_replicas, else num_replicas; None if not given
     detail: str  # for /health
+    min_replicas: int | None = None  # autoscaling min_replicas (0: it may scale to zero); None if fixed
 
 
 def read_deployment_view(app_name: str, deployment_name: str) -> DeploymentView:
@@ -65,9 +66,10 @@ def read_deployment_view(app_name: str, deployment_name: str) -> DeploymentView:
     config = deployment.get("deployment_config") or {}
     scaling = config.get("autoscaling_config")
     most = scaling.get("max_replicas") if scaling else config.get("num_replicas")
+    least = scaling.get("min_replicas") if scaling else None
     return DeploymentView(
         time.monotonic(), True, running, status, most if isinstance(most, int) else None,
-        f"replicas: {status} ({running} running)",
+        f"replicas: {status} ({running} running)", least if isinstance(least, int) else None,
     )
 
 
@@ -129,13 +131,19 @@ class ReplicaView:
 
     async def healthy(self) -> tuple[bool, str]:
         """``/health``: (ok, detail) from a view at most :data:`VIEW_TTL_S` old. Ok once every
-        replica has been up, and from then on while at least one replica runs."""
+        replica has been up, and from then on while at least one replica runs; ok at zero
+        replicas when autoscaling with ``min_replicas: 0`` took it there (Serve reports it
+        healthy or scaling): a request then starts a replica."""
         view = await self.current(fresh=True)
         if not view.known:
             return False, view.detail
         serving = view.status in SERVING_STATUSES
         self._ready_once = self._ready_once or (serving and view.running > 0)
         # After start-up, one running replica is enough to serve while Serve replaces others.
+        # An app autoscaled to zero (min_replicas 0) is up: its next request starts a replica, and a
+        # load balancer that took it out of rotation would never send that request.
+        if view.running == 0 and view.min_replicas == 0 and serving:
+            return True, view.detail
         return view.running > 0 and (serving or self._ready_once), view.detail
 
     async def check_available(self) -> None:

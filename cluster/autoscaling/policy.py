@@ -30,6 +30,9 @@ from router.autoscaler_record import REASONS  # every reason a decision may give
 
 __all__ = ["REASONS", "CarpoolAutoscalingPolicy", "Decision", "Load", "decide"]
 
+RECORD_REFRESH_S = 10.0
+"""Seconds between two lookups of the app's record actor by the policy."""
+
 
 @dataclass(frozen=True)
 class Load:
@@ -41,7 +44,9 @@ class Load:
         seats: seats (``max_num_seqs``), summed.
         waiting: requests waiting for a seat, summed.
         queue_wait_s: the longest head-of-queue wait of any replica (seconds).
-        kv_cache_usage: the highest fraction of KV blocks in use of any replica (0 to 1).
+        kv_cache_usage: the fraction of KV blocks in use, the replicas' mean (0 to 1): a new
+            replica lowers it by taking new requests, where one replica's own use would stay
+            high until its long requests end.
         ongoing: requests Serve counts as running or queued for the deployment (its own metric).
     """
 
@@ -73,9 +78,14 @@ class Load:
             seats=sum(slots.values()),
             waiting=sum(per_replica("num_waiting").values()),
             queue_wait_s=max(per_replica("queue_wait_s").values(), default=0.0),
-            kv_cache_usage=max(per_replica("kv_cache_usage").values(), default=0.0),
+            kv_cache_usage=_mean(per_replica("kv_cache_usage").values()),
             ongoing=float(ongoing or 0.0),
         )
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,8 @@ def decide(
     is still starting, the count that running + waiting requests need at
     ``target_seat_utilization`` (at least one more); room to shrink (running requests fit on fewer
     replicas at ``downscale_seat_utilization``, no queue wait, no KV pressure; or, with
-    ``min_replicas`` 0, no request at all) → after ``downscale_delay_s``, that count.
+    ``min_replicas`` 0, no request at all) → after ``downscale_delay_s``, that count (to 0 only
+    from 1, as Serve allows it).
     """
     state = dict(state)
     up_since, down_since = state.get("up_since"), state.get("down_since")
@@ -151,8 +162,8 @@ def decide(
     if want_down:
         if now - down_since < settings["downscale_delay_s"]:
             return hold("down_delay")
-        if idle and low == 0:
-            return change(0, "idle")
+        if idle and low == 0:  # to 0 from 1 only, as Serve applies it (its rule): 1 first
+            return change(0 if target == 1 else 1, "idle")
         return change(fits_on, "seats_underused")
     return hold("within_targets")
 
@@ -166,6 +177,7 @@ class CarpoolAutoscalingPolicy:
     def __init__(self, **settings: float) -> None:
         self.settings = settings
         self._record = None  # the app's AutoscalerRecord actor, made on first use
+        self._record_at = 0.0  # when it was last looked up (a handle of a dead actor never raises on send)
         self._last_sent: tuple | None = None
         self._last_sent_at = 0.0
 
@@ -193,8 +205,9 @@ class CarpoolAutoscalingPolicy:
                 return
             from router.autoscaler_record import record_actor
 
-            if self._record is None:
-                self._record = record_actor(ctx.app_name, create=True)
+            if self._record is None or now - self._record_at > RECORD_REFRESH_S:
+                self._record = record_actor(ctx.app_name, create=True)  # made anew if it has gone
+                self._record_at = now
             changed = decision.target != ctx.target_num_replicas
             self._record.update.remote({
                 "target_replicas": decision.target,

@@ -37,7 +37,7 @@ class AutoscalingSettings(BaseModel):
     ``carpool`` policy, per decision (Serve's control loop, every 0.1 s), on the replicas' reports
     averaged over ``look_back_period_s`` (seat utilization = running requests / seats, summed over
     the replicas; queue wait = the longest head-of-queue wait of any replica, seconds; KV use =
-    the highest fraction of KV blocks in use of any replica):
+    the replicas' mean fraction of KV blocks in use):
 
     * **up** when the seats are full (utilization ≥ ``target_seat_utilization``) and requests wait
       (queue wait ≥ ``target_queue_wait_s``), or the KV pool is nearly full (≥
@@ -51,7 +51,7 @@ class AutoscalingSettings(BaseModel):
     ``look_back_period_s``, the delays and ``metrics_interval_s`` are in seconds.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     policy: Literal["carpool", "ongoing_requests"] = Field(
         "carpool",

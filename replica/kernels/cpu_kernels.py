@@ -60,6 +60,15 @@ def cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
+def build_tag() -> str:
+    """The build folder's name: :func:`cpu_tag` and a short hash of this checkout's source folder.
+    torch's build file names the sources by absolute path, so two checkouts on one machine
+    sharing a folder would rebuild over each other's build at every start."""
+    import hashlib
+
+    return f"{cpu_tag()}-{hashlib.sha256(str(SOURCE.parent.resolve()).encode()).hexdigest()[:8]}"
+
+
 def available() -> bool:
     """Whether :func:`load` built and registered the kernels in this process."""
     return _state.get("ok", False)
@@ -102,7 +111,7 @@ def load() -> bool:
 
     torch keeps built extensions in ``TORCH_EXTENSIONS_DIR``, set here to
     ``<cache_dir()>/torch_extensions`` unless already set; the build goes to
-    ``<it>/carpool_cpu_kernels/<cpu_tag()>``. Only the first call builds; later ones return its answer.
+    ``<it>/carpool_cpu_kernels/<build_tag()>``. Only the first call builds; later ones return its answer.
     """
     if "ok" in _state:
         return _state["ok"]
@@ -111,7 +120,7 @@ def load() -> bool:
         from torch.utils.cpp_extension import _get_build_directory
         from torch.utils.cpp_extension import load as load_extension
 
-        build_directory = os.path.join(_get_build_directory(NAME, verbose=False), cpu_tag())
+        build_directory = os.path.join(_get_build_directory(NAME, verbose=False), build_tag())
         with build_lock(build_directory):
             load_extension(
                 name=NAME,

@@ -111,8 +111,8 @@ class ShmAllReduce:
         the tensor is larger than a slot or the C++ op is not built: the caller then gathers
         through the process group.
 
-        Rank 0 reads call ``s``'s slots before it publishes call ``s + 1``, and a gather is the
-        last collective of a forward, so the next write to this half (call ``s + 2``) waits for it.
+        A rank writes call ``s + 2`` into this call's half only once every peer has published
+        ``s + 1``, that is, has read call ``s`` (the C++ op checks before it writes).
 
         Raises: as :meth:`__call__`.
         """
@@ -120,10 +120,10 @@ class ShmAllReduce:
         if nbytes > self.max_bytes or not self.native:
             return None
         self.seq += 1
-        if self.rank != 0:
-            torch.ops.carpool_cpu.shm_collective(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, True, 0.0, GATHER)
-            return x.new_empty(*x.shape[:-1], x.shape[-1] * self.world_size)  # not read: rank 0 samples
-        return self._native(x, GATHER)
+        out = self._native(x, GATHER)
+        if self.rank != 0:  # published: rank 0 samples from the gathered logits, these are not read
+            return x.new_empty(*x.shape[:-1], x.shape[-1] * self.world_size)
+        return out
 
     def _native(self, x: torch.Tensor, op: int) -> torch.Tensor:
         """Call ``self.seq`` through the C++ op, checking between waits of :data:`CHECK_EVERY_S`
@@ -137,7 +137,8 @@ class ShmAllReduce:
                 raise TimeoutError(f"a tensor-parallel rank did not reach all-reduce {self.seq} in {TIMEOUT_S:g} s")
             if self.peers_alive is not None and not self.peers_alive():
                 raise RuntimeError(f"a tensor-parallel rank has ended (all-reduce {self.seq})")
-            out = call(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, False, CHECK_EVERY_S, op)
+            published = int(self.flags[self.rank]) >= self.seq  # the op waits for the half to be free first
+            out = call(x, self.buffer, self.rank, self.world_size, self.seq, self.max_bytes, not published, CHECK_EVERY_S, op)
         return out
 
     def _wait(self, peer: int, seq: int) -> None:

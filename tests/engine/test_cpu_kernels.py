@@ -40,7 +40,7 @@ def test_the_build_lives_in_a_folder_of_this_cpus_instruction_sets():
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    folder = Path(_get_build_directory(cpu_kernels.NAME, verbose=False)) / cpu_kernels.cpu_tag()
+    folder = Path(_get_build_directory(cpu_kernels.NAME, verbose=False)) / cpu_kernels.build_tag()
     assert (folder / f"{cpu_kernels.NAME}.so").is_file(), sorted(os.listdir(folder.parent))
 
 

@@ -1,8 +1,9 @@
 """The shared-memory all-reduce and gather of CPU tensor-parallel ranks (``replica/worker/shm_all_reduce.py``
 and its C++ op ``carpool_cpu::shm_collective``), between two real processes: the C++ op's sums
 are bit for bit the Python path's (torch's own adds, in rank order) in every dtype a model runs
-in, the gather joins the ranks' parts in rank order on rank 0, and a late peer is waited for
-(the op hands back to Python between waits to check that the peers live)."""
+in, the gather joins the ranks' parts in rank order on rank 0 (also when the other rank runs
+ahead through several gathers), and a late peer is waited for (the op hands back to Python
+between waits to check that the peers live)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def rank_main(rank: int, path: str, max_bytes: int, native: bool, out: str) -> N
         gathered = torch.ops.carpool.shm_gather(part(rank, shape, torch.bfloat16), reducer.key, 2)
         results[("gather", shape)] = gathered if rank == 0 else None
         results[("sum-after", shape)] = reducer(part(rank, (2, 8), torch.float32))  # the next call still pairs up
+    if reducer.native:  # three gathers in a row, rank 0 late: rank 1 must not overwrite a half unread
+        if rank == 0:
+            time.sleep(0.3)
+        for i in range(3):
+            got = torch.ops.carpool.shm_gather(part(rank, (2, 4 + i), torch.float32), reducer.key, 2)
+            results[("gather-run", i)] = got if rank == 0 else None
     torch.save(results, out)
 
 
@@ -82,3 +89,6 @@ def test_native_sums_and_gathers_equal_torch_bit_for_bit(tmp_path):
         assert torch.equal(native[0][("gather", shape)], expected)
         assert native[1][("gather", shape)] is None  # rank 1 publishes its part and goes on
         assert torch.equal(native[0][("sum-after", shape)], native[1][("sum-after", shape)])
+    for i in range(3):
+        expected = torch.cat([part(0, (2, 4 + i), torch.float32), part(1, (2, 4 + i), torch.float32)], dim=-1)
+        assert torch.equal(native[0][("gather-run", i)], expected), i

@@ -95,6 +95,27 @@ def test_scale_to_zero_only_with_min_zero_and_no_request():
     assert decide(Load(0, 0, 0, 0, 0, 0, 0), 0, 0, 0, 4, SETTINGS, {}, 1e6).target == 0
 
 
+def test_to_zero_goes_through_one_as_serve_applies_it():
+    idle = load(3, running=0, ongoing=0)
+    d = decide(idle, 3, 3, 0, 4, SETTINGS, {"down_since": 0.0}, 1e6)
+    assert (d.target, d.reason) == (1, "idle")  # what the policy reports is what Serve does
+
+
+def test_one_replica_full_of_long_requests_does_not_pile_up_replicas():
+    """KV use is the replicas' mean: a replica that holds long requests keeps its own use high
+    until they end, which more replicas cannot change."""
+    from cluster.autoscaling.policy import Load
+
+    metrics = {
+        "num_slots": {"a": 8.0, "b": 8.0}, "num_running": {"a": 2.0, "b": 0.0}, "num_waiting": {"a": 0.0, "b": 0.0},
+        "queue_wait_s": {"a": 0.0, "b": 0.0}, "kv_cache_usage": {"a": 0.97, "b": 0.05},
+    }
+    lopsided = Load.from_metrics(metrics, ongoing=2)
+    assert lopsided.kv_cache_usage == pytest.approx(0.51)
+    d = decide(lopsided, 2, 2, 1, 4, SETTINGS, {"down_since": 0.0}, 1e6)
+    assert (d.target, d.reason) == (1, "seats_underused")
+
+
 def test_cooldown_holds_every_decision_after_a_change():
     busy = load(2, running=2 * SEATS, waiting=10, wait_s=5.0)
     state = {"changed_at": 100.0, "up_since": 0.0}
@@ -208,6 +229,8 @@ def test_settings_refuse_bad_values_naming_them():
     assert "downscale_seat_utilization (0.95) must be below" in error(max_replicas=2, downscale_seat_utilization=0.95)
     assert "look_back_period_s (1) must be longer than metrics_interval_s (2)" in error(max_replicas=2, look_back_period_s=1)
     assert "initial_replicas (5)" in error(max_replicas=2, initial_replicas=5)
+    assert "autoscaling.drain_timeout_s" in error(max_replicas=2, drain_timeout_s=float("inf"))
+    assert "autoscaling.upscale_delay_s" in error(max_replicas=2, upscale_delay_s=float("inf"))
     with pytest.raises(ValidationError, match="not both"):
         ServeConfig(replicas=2, autoscaling={"max_replicas": 2})
 
@@ -232,3 +255,36 @@ def test_autoscale_flag():
     with pytest.raises(ValueError, match="--autoscale MIN:MAX"):
         build_config(None, {}, {}, {"target_queue_wait_s": 0.5})
     assert build_config(None, {}, {}, {"policy": None}).autoscaling is None
+
+
+def test_health_is_ok_at_zero_replicas_only_when_autoscaled_there():
+    """``/health`` at zero running replicas: 200 when autoscaling with min_replicas 0 took the app
+    there (a request starts a replica; a load balancer must keep sending), 503 otherwise."""
+    import asyncio
+    import time
+
+    from router.replica_view import DeploymentView, ReplicaView
+
+    def health(status: str, least) -> bool:
+        view = ReplicaView(None, seats=4, waiting=4)
+        view._view = DeploymentView(time.monotonic(), True, 0, status, 2, "replicas", least)  # a fresh look
+        return asyncio.run(view.healthy())[0]
+
+    assert health("HEALTHY", 0) and health("UPSCALING", 0)
+    assert not health("HEALTHY", 1) and not health("HEALTHY", None)  # fixed count, or min 1: down
+    assert not health("UNHEALTHY", 0)
+
+
+def test_the_record_keeps_the_reason_of_the_last_change():
+    from router.autoscaler_record import AutoscalerRecord
+
+    record = AutoscalerRecord("app")
+    assert record.exposition() == ""  # no series before the first decision
+    record.update({"target_replicas": 1, "reason": "up_delay", "direction": None})
+    record.update({"target_replicas": 2, "reason": "seats_full_and_waiting", "direction": "up"})
+    record.update({"target_replicas": 2, "reason": "cooldown", "direction": None})
+    text = record.exposition()
+    assert 'carpool:autoscaler_last_decision{application="app",reason="cooldown"} 1.0' in text
+    assert 'carpool:autoscaler_last_change{application="app",reason="seats_full_and_waiting"} 1.0' in text
+    assert 'carpool:autoscaler_decisions_total{application="app",direction="up"} 1.0' in text
+    assert "_created" not in text

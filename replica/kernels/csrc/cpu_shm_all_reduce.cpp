@@ -5,14 +5,15 @@
 // rank. A call copies x into this rank's slot of half seq % 2, publishes seq (a release store),
 // waits until every peer has published seq (acquire loads, spinning with a pause, then yielding),
 // and sums the slots in rank order (the same order on every rank: every rank gets the same
-// bits) or concatenates them along the last dimension (the gather). A wait longer than wait_s
-// returns an empty tensor: the caller checks that the peers still live and calls again with
-// publish = false.
+// bits) or concatenates them along the last dimension (the gather, on rank 0; the other ranks
+// publish and return x). A wait longer than wait_s returns an empty tensor: the caller checks
+// that the peers still live and calls again, with publish = false once its own number is out.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
 #include <immintrin.h>
 #include <sched.h>
+#include <time.h>
 
 #include <chrono>
 #include <cstdint>
@@ -24,21 +25,31 @@ namespace {
 
 constexpr int64_t kFlagStride = 8;  // int64s per rank's line (64 bytes)
 
+// Spin (a peer computing its share arrives within microseconds to a millisecond when each rank
+// has its core), then yield, then, past 1 ms, sleep 20 µs between looks, so that ranks sharing
+// cores with other work (or a long wait) do not take the CPU their peers need.
 bool wait_for_peers(const int64_t* flags, int64_t rank, int64_t world, int64_t seq, double wait_s) {
   const auto start = std::chrono::steady_clock::now();
   for (int64_t peer = 0; peer < world; ++peer) {
     if (peer == rank) continue;
     const int64_t* flag = flags + peer * kFlagStride;
     int64_t spins = 0;
+    bool napping = false;
     while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < seq) {
       if (++spins < 2048) {
         _mm_pause();
         continue;
       }
-      sched_yield();
-      if ((spins & 63) == 0) {
+      if (napping || (spins & 63) == 0) {
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (waited > wait_s) return false;
+        napping = waited > 1e-3;
+      }
+      if (napping) {
+        const timespec nap{0, 20000};
+        nanosleep(&nap, nullptr);
+      } else {
+        sched_yield();
       }
     }
   }
@@ -83,10 +94,15 @@ at::Tensor shm_collective(const at::Tensor& x, const at::Tensor& buffer, int64_t
   int64_t* flags = reinterpret_cast<int64_t*>(base);
   uint8_t* half = base + 64 * world + (seq % 2) * world * max_bytes;
   if (publish) {
+    // This half was last written at call seq - 2; every peer has read it once it has published
+    // seq - 1 (a rank's calls run in order). Usually already true; after a gather, which ranks
+    // other than 0 leave without waiting, this is what keeps them from writing too early.
+    if (seq > 1 && !wait_for_peers(flags, rank, world, seq - 1, wait_s)) return at::empty({0}, xc.options());
     if (op != 1 || rank != 0)  // a gather's own part on rank 0 is read from x: no one else reads it
       std::memcpy(half + rank * max_bytes, xc.data_ptr(), nbytes);
     __atomic_store_n(flags + rank * kFlagStride, seq, __ATOMIC_RELEASE);
   }
+  if (op == 1 && rank != 0) return xc;  // published; only rank 0 reads a gather
   if (!wait_for_peers(flags, rank, world, seq, wait_s)) return at::empty({0}, xc.options());
   if (op == 1) {
     std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
