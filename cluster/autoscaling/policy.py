@@ -30,9 +30,6 @@ from router.autoscaler_record import REASONS  # every reason a decision may give
 
 __all__ = ["REASONS", "CarpoolAutoscalingPolicy", "Decision", "Load", "decide"]
 
-RECORD_REFRESH_S = 10.0
-"""Seconds between two lookups of the app's record actor by the policy."""
-
 
 @dataclass(frozen=True)
 class Load:
@@ -176,8 +173,8 @@ class CarpoolAutoscalingPolicy:
 
     def __init__(self, **settings: float) -> None:
         self.settings = settings
-        self._record = None  # the app's AutoscalerRecord actor, made on first use
-        self._record_at = 0.0  # when it was last looked up (a handle of a dead actor never raises on send)
+        self._record = None  # the app's AutoscalerRecord actor, made on first use (this handle owns it)
+        self._sent = None  # the last update's ObjectRef: a dead actor shows only in its result
         self._last_sent: tuple | None = None
         self._last_sent_at = 0.0
 
@@ -205,11 +202,15 @@ class CarpoolAutoscalingPolicy:
                 return
             from router.autoscaler_record import record_actor
 
-            if self._record is None or now - self._record_at > RECORD_REFRESH_S:
-                self._record = record_actor(ctx.app_name, create=True)  # made anew if it has gone
-                self._record_at = now
+            if self._sent is not None and ray.wait([self._sent], timeout=0)[0]:
+                try:
+                    ray.get(self._sent, timeout=0)
+                except Exception:  # the record died (killed for good): make a new one
+                    self._record = None
+            if self._record is None:
+                self._record = record_actor(ctx.app_name, create=True)
             changed = decision.target != ctx.target_num_replicas
-            self._record.update.remote({
+            self._sent = self._record.update.remote({
                 "target_replicas": decision.target,
                 "current_replicas": ctx.current_num_replicas,
                 "min_replicas": ctx.capacity_adjusted_min_replicas,
@@ -223,5 +224,5 @@ class CarpoolAutoscalingPolicy:
                 "time": now,
             })
             self._last_sent, self._last_sent_at = key, now
-        except Exception:  # the record is for people; scaling goes on without it
-            self._record = None
+        except Exception:  # the record is for people; scaling goes on without it (the handle is kept:
+            pass  # it owns the actor, which dropping it would end)
