@@ -12,9 +12,10 @@ few seconds), then two phases with the real ``openai`` client (:mod:`cluster.ben
    full with requests waiting. Then ``settle_s`` more seconds for a late decision, and the app is
    brought back to 1 replica.
 2. **long**: ``long_clients`` (more than the seats) closed-loop clients of streamed
-   ``long_tokens``-token requests for ``long_s`` seconds (the seats fill and requests wait), then
-   ``tail_clients`` (fewer than one replica's seats) for ``tail_s`` more: a scale-down with streams
-   in flight; then until the app is back at 1 replica (``down_timeout_s``).
+   ``long_tokens``-token requests for ``long_s`` seconds (the seats fill and requests wait), and
+   ``tail_clients`` (fewer than one replica's seats) that go on until a replica has been removed
+   (at most ``tail_s`` more): a scale-down with streams in flight; then until the app is back at
+   1 replica (``down_timeout_s``).
 
 Per policy: the running replica count sampled every 0.5 s (``timeline``), the most replicas in
 each phase, the changes (with the requests in flight at each), the requests (every one must complete with all its tokens), each
@@ -67,7 +68,7 @@ class AutoscaleBench:
     long_tokens: int = 192
     long_s: float = 30.0
     tail_clients: int = 2
-    tail_s: float = 40.0
+    tail_s: float = 90.0
     down_timeout_s: float = 90.0
     look_back_s: float = 6.0
     metrics_interval_s: float = 0.5
@@ -102,6 +103,16 @@ def replica_actors(app_name: str) -> list:
     prefix = f"SERVE_REPLICA::{app_name}#LLMReplica#"
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
     return [ray.get_actor(n, namespace="serve") for n in names]
+
+
+def wait_for_actors(app_name: str, count: int, timeout_s: float) -> None:
+    """Wait until the app has ``count`` replica actors: a replica being removed finishes its
+    requests before its actor goes. Raises ``TimeoutError`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while len(replica_actors(app_name)) != count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{app_name}: still {len(replica_actors(app_name))} replica actors after {timeout_s}s")
+        time.sleep(0.5)
 
 
 def idle_and_intact(app_name: str, timeout_s: float = 30.0) -> list[dict]:
@@ -252,11 +263,17 @@ async def _run_policy(bench: AutoscaleBench, policy: str, port: int, prometheus:
         result["tiny"] = {"most_replicas": sampler.most(t0), "requests": tiny.as_dict()}
         await sampler.wait_for(1, bench.down_timeout_s)
         t1 = sampler.now()
+
+        def scaled_down() -> bool:  # the tail goes on until a replica has been removed (or tail_s)
+            return sampler.now() > t1 + bench.long_s and any(c[2] < c[1] for c in sampler.changes(since=t1))
+
         await asyncio.gather(
             closed_loop(url, "model", bench.long_clients, bench.long_s, bench.long_tokens, True, long),
-            closed_loop(url, "model", bench.tail_clients, bench.long_s + bench.tail_s, bench.long_tokens, True, long),
+            closed_loop(url, "model", bench.tail_clients, bench.long_s + bench.tail_s, bench.long_tokens, True, long,
+                        stop=scaled_down),
         )
         back = await sampler.wait_for(1, bench.down_timeout_s)
+        await asyncio.to_thread(wait_for_actors, name, 1, bench.down_timeout_s)  # the removed one has drained
         result["long"] = {
             "most_replicas": sampler.most(t1), "back_to_one_s": None if back is None else round(back, 1),
             "requests": long.as_dict(),

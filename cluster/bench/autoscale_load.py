@@ -69,9 +69,9 @@ async def _one(client, model: str, prompt: str, max_tokens: int, stream: bool, o
 
 
 async def closed_loop(base_url: str, model: str, clients: int, seconds: float, max_tokens: int, stream: bool,
-                      outcome: Outcome) -> None:
-    """``clients`` clients, each sending requests back to back until ``seconds`` have passed
-    (a request started before then runs to its end)."""
+                      outcome: Outcome, stop=None) -> None:
+    """``clients`` clients, each sending requests back to back until ``seconds`` have passed or
+    ``stop()`` is true (a request started before then runs to its end)."""
     import openai
 
     deadline = time.monotonic() + seconds
@@ -79,7 +79,7 @@ async def closed_loop(base_url: str, model: str, clients: int, seconds: float, m
 
         async def loop(i: int) -> None:
             n = 0
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not (stop is not None and stop()):
                 await _one(client, model, PROMPTS[(i + n) % len(PROMPTS)], max_tokens, stream, outcome)
                 n += 1
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 SCRIPT_TIMEOUT_S = 420
 BENCH = dict(
-    tiny_s=6.0, settle_s=2.0, long_s=16.0, long_tokens=128, tail_s=26.0, down_timeout_s=45.0,
+    tiny_s=6.0, settle_s=2.0, long_s=16.0, long_tokens=128, tail_s=60.0, down_timeout_s=45.0,
     look_back_s=4.0, upscale_delay_s=1.0, downscale_delay_s=4.0, cooldown_s=6.0,
 )
 """Shorter phases and windows than the bench's defaults (the suite's time)."""
