@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +46,24 @@ def pytest_collection_modifyitems(config, items):
         if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
+
+def run_script(module: str, out_path: Path, timeout_s: float) -> None:
+    """Run ``python -m module out_path`` in a session of its own (its own Ray cluster: no
+    ``RAY_ADDRESS`` passed on), failing the test with its output if it runs over ``timeout_s``
+    (its whole session is killed: its Ray nodes too) or exits non-zero."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, str(out_path)], cwd=Path(__file__).resolve().parents[2], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        pytest.fail(f"{module} took over {timeout_s}s:\n{output[-6000:]}")
+    assert proc.returncode == 0, output[-6000:]
 
 
 def free_port() -> int:

@@ -15,15 +15,12 @@ and every panel of the dashboard's autoscaling row with data.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.e2e.conftest import run_script
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 SCRIPT_TIMEOUT_S = 420
 BENCH = dict(
@@ -42,18 +39,7 @@ def main(out_path: str) -> None:
 def test_carpool_policy_scales_on_seats_not_request_counts(tmp_path):
     assert Path(PROMETHEUS).exists(), "Debian's prometheus is not installed (make test installs it)"
     out = tmp_path / "autoscale.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.test_autoscaling", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the script's session: its Ray nodes and Prometheus too
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-node run took over {SCRIPT_TIMEOUT_S}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    run_script("tests.e2e.test_autoscaling", out, SCRIPT_TIMEOUT_S)
     result = json.loads(out.read_text())
     run = result["runs"]["carpool"]
     print(json.dumps({k: run[k] for k in ("deploy_s", "changes", "reasons", "tiny", "long", "record", "prometheus")}))

@@ -36,14 +36,12 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.e2e.conftest import run_script
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT_TIMEOUT_S = 400  # under the e2e limit; 132 s here beside another test file, 94 s alone
 NODE_RESOURCE = "carpool_replica_slot"
 NUM_CONVERSATIONS = 16
@@ -305,18 +303,7 @@ def summarize(run: dict, block_size: int) -> dict:
 
 def test_cache_aware_routing_keeps_multi_turn_hits_on_2_nodes(tmp_path):
     out = tmp_path / "prefix_routing.json"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.test_prefix_routing", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=SCRIPT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the script's session: its Ray nodes too
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-node run took over {SCRIPT_TIMEOUT_S}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    run_script("tests.e2e.test_prefix_routing", out, SCRIPT_TIMEOUT_S)
     result = json.loads(out.read_text())
     assert result["num_nodes"] == 2
     aware, seat_only = (summarize(run, result["block_size"]) for run in result["runs"])
