@@ -7,7 +7,8 @@ see ``deploy/serve_config.yaml``);
 ``start_ray(config)`` starts a local Ray cluster or joins ``config.address`` (with
 :data:`SERVE_ENV` in its processes' environment);
 ``run(config)`` does both plus ``serve.start``/``serve.run``, checks the ``lora_modules`` on a
-replica (:func:`check_lora_modules`) and returns the API's base URL.
+replica (:func:`check_lora_modules`) and returns the API's base URL. The checks made before Ray
+starts (the port, tensor parallelism) are in ``cluster/preflight.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import os
 from typing import Any
 
 from cluster.config import ServeConfig
+from cluster.preflight import check_tensor_parallel, free_port, listen_problem
+
+__all__ = [
+    "INGRESS_DEPLOYMENT", "LORA_REGISTRY_DEPLOYMENT", "REPLICA_DEPLOYMENT", "SERVE_ENV", "app_builder", "apply_serve_env",
+    "base_url", "build_app", "check_lora_modules", "check_tensor_parallel", "direct_ingress_env", "free_port",
+    "listen_problem", "replica_deployment_options", "replicas_for_resources", "resolve_replicas", "run", "start_ray",
+    "uses_direct_ingress",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,45 +99,6 @@ def uses_direct_ingress(config: ServeConfig) -> bool:
     import ray
 
     return config.direct_ingress and config.ingress_replicas == 1 and not config.address and not ray.is_initialized()
-
-
-def free_port(host: str) -> int:
-    """A TCP port of ``host`` that is free now (the OS picks it)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def listen_problem(host: str, port: int) -> str | None:
-    """Why a server cannot listen on ``host:port`` now (a host that does not resolve or is not
-    this machine's, a port in use or not allowed), or None.
-
-    Binds a socket the way uvicorn (Serve's HTTP server) does: IPv6 where the host has a ``:``,
-    else IPv4; ``""`` is every interface. ``SO_REUSEADDR`` is set, as Serve sets it, so connections
-    of a server that just stopped (TIME_WAIT) do not count, and a server listening there does.
-    """
-    import errno
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        address = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
-    except socket.gaierror as exc:
-        return f"host: {host!r} cannot be resolved ({exc.strerror})"
-    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host or '0.0.0.0'}:{port}"
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRNOTAVAIL:
-                return f"host: {host!r} is not an address of this machine ({exc.strerror})"
-            hint = "; stop what holds it or pick another --port" if exc.errno == errno.EADDRINUSE else ""
-            return f"port: {shown} cannot be listened on ({exc.strerror}){hint}"
-    return None
 
 
 def start_ray(config: ServeConfig, **init_kwargs: Any) -> None:
@@ -231,7 +201,7 @@ def replica_deployment_options(config: ServeConfig, num_replicas: int | None) ->
     options["max_queued_requests"] = most * (config.engine.max_num_seqs + config.max_waiting_requests) + 64
     # Should a BackPressureError get past the ingress's own mapping, Serve answers 429 + Retry-After
     # (its default is 503 without one).
-    from router.errors import RETRY_AFTER_S
+    from router.request.errors import RETRY_AFTER_S
 
     options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
     return options
@@ -248,15 +218,15 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         a ``ray.serve.Application`` for ``serve.run``. Its deployments are named ``LLMReplica``
         and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to, and,
         with ``engine.enable_lora``, ``LoRARegistry`` (one replica holding the served adapters'
-        names and folders for every ingress replica: ``router/lora_registry.py``).
+        names and folders for every ingress replica: ``router/lora/lora_registry.py``).
     """
     from ray import serve
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from replica.serve import LLMReplica
-    from router.errors import RETRY_AFTER_S
     from router.ingress import OpenAIIngress
-    from router.lora_registry import LoRARegistry
+    from router.lora.lora_registry import LoRARegistry
+    from router.request.errors import RETRY_AFTER_S
     from router.routing.policy import CarpoolRequestRouter
 
     engine = config.engine
@@ -387,32 +357,6 @@ def check_lora_modules(config: ServeConfig, timeout_s: float = 120.0) -> None:
                 raise ValueError(f"lora_modules: {name}={path}: {cause}") from None
             raise
         logger.info("LoRA adapter %r: rank %s, %d modules, from %s", name, info["rank"], len(info["target_modules"]), path)
-
-
-def check_tensor_parallel(config: ServeConfig) -> None:
-    """Refuse, before deploying, a tensor-parallel replica that could never start: the model's heads
-    do not split over ``tensor_parallel_size``, or no node of the Ray cluster has the devices of
-    one replica (its bundles are packed on one node), which would leave it pending forever.
-
-    Raises:
-        ValueError: naming the head counts, or the devices one replica needs and the most any
-            node has.
-    """
-    tp = config.engine.tensor_parallel_size
-    if tp == 1:
-        return
-    import ray
-
-    from replica.config.model_files import check_tp_size, resolve_model_path
-
-    check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
-    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
-    most = max((node["Resources"].get(kind, 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
-    if most < tp * each:
-        raise ValueError(
-            f"tensor_parallel_size {tp} needs {tp * each:g} {kind}s on one node for each replica; "
-            f"the largest node of the Ray cluster has {most:g}"
-        )
 
 
 def base_url(config: ServeConfig) -> str:

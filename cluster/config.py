@@ -26,7 +26,7 @@ from router.config import IngressConfig
 
 __all__ = [
     "DEFAULT_MODEL", "AutoscalingSettings", "EngineConfig", "ServeConfig", "format_validation_error", "parse_bytes",
-    "parse_speculative_config", "speculative_config_from_json",
+    "parse_speculative_config",
 ]
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -73,18 +73,6 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
             f"(keys: {', '.join(SpeculativeConfig.model_fields)}), got {type(data).__name__}: {text!r}"
         )
     return data
-
-
-def speculative_config_from_json(text: str) -> dict[str, Any]:
-    """``--speculative-config``'s JSON object, validated: every key with its value or default.
-
-    Raises ``ValueError`` naming the problem (bad JSON, not an object, or one line per bad key:
-    ``num_speculative_tokens: Input should be less than or equal to 16 (got 99)``).
-    """
-    try:
-        return SpeculativeConfig(**parse_speculative_config(text)).model_dump()
-    except ValidationError as exc:
-        raise ValueError("invalid --speculative-config:\n" + format_validation_error(exc)) from None
 
 
 class ServeConfig(IngressConfig):

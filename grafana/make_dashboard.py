@@ -2,7 +2,7 @@
 
 The JSON is committed; this script is how it is edited, so that every panel follows one layout
 and every query uses the same label filters. Metric names are those of ``replica/engine/metrics.py``
-(a replica's) and ``router/metrics.py`` (the ingress's own).
+(a replica's) and ``router/observability/metrics.py`` (the ingress's own).
 """
 
 from __future__ import annotations

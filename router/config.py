@@ -16,6 +16,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+PARSER_NAMES = ("auto", "hermes")
+"""``--tool-call-parser`` values: ``auto`` picks the format of the template in use (all render
+``<tool_call>`` blocks so far: ``hermes``; :mod:`router.request.tool_templates`). Here, below the
+request package, so that the settings import nothing of the layers above them."""
+
 
 class IngressConfig(BaseModel):
     """What the ingress (``router/``) reads: a request past one of the caps is refused with a 4xx
@@ -137,8 +142,6 @@ class IngressConfig(BaseModel):
     @field_validator("tool_call_parser")
     @classmethod
     def _check_parser(cls, value: str) -> str:
-        from router.tool_templates import PARSER_NAMES
-
         if value not in PARSER_NAMES:
             raise ValueError(f"must be one of {', '.join(PARSER_NAMES)}")
         return value

@@ -3,12 +3,12 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
 ``GET /health``, ``GET /metrics``. A request's ``model`` is the served model or one of its LoRA
-adapters (:mod:`router.adapters`; the adapter travels with each replica request). Each request is validated (pydantic
-models in :mod:`router.protocol`), its chat template applied and its prompt tokenized **once, here**; the
+adapters (:mod:`router.lora.adapters`; the adapter travels with each replica request). Each request is validated (pydantic
+models in :mod:`router.request.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
 request per choice, choice ``j`` of each prompt of a seeded request using ``seed + j``. Replica
 requests go through a ``DeploymentHandle``; a streamed one's tokens come back over the replica's
-batched-delta connection (:mod:`router.delta_receiver`; one message per engine step for all of
+batched-delta connection (:mod:`router.dispatch.delta_receiver`; one message per engine step for all of
 this ingress's requests there) or, with ``batched_deltas`` off, as the call's own stream. Outputs
 leave as one JSON body or as server-sent events ending in ``data: [DONE]``.
 
@@ -17,7 +17,7 @@ body or parameter, or one past a configured cap (the message names the field), 4
 or wrong API key, 404 for an unknown model or path, 413 for a body over ``max_request_body_bytes``,
 415 for a non-JSON ``Content-Type``, 429 (with ``Retry-After``) when the chosen replica is full,
 503 when no replica can serve. A client's mistake never yields a 500. The API key and the body
-size are checked by :class:`~router.errors.RequestGuard` before routing; every error response is
+size are checked by :class:`~router.request.errors.RequestGuard` before routing; every error response is
 counted in ``carpool:http_requests_rejected_total``.
 
 A choice whose replica died (or whose engine loop died) before its first delta reached the
@@ -27,11 +27,13 @@ When the HTTP client goes away mid-stream, Serve cancels this handler; the ``fin
 cancel every replica stream of the request, and each replica aborts its engine request.
 
 This module holds the FastAPI app, the Serve deployment class and its endpoints, each a few calls
-into the modules that do the work: :mod:`router.errors` (error responses, API key and body size),
-:mod:`router.preparation` (checks, chat template, tokens, sampling parameters),
-:mod:`router.replica_view` (health, availability, capacity, model limits), :mod:`router.fanout`
-(replica requests, retry, cancel, shutdown drain), :mod:`router.responses` (bodies and SSE) and
-:mod:`router.adapters` (LoRA adapters: which model ids they are, loads and unloads).
+into the modules that do the work: :mod:`router.request.errors` (error responses, API key and body size),
+:mod:`router.request.preparation` (checks, chat template, tokens, sampling parameters),
+:mod:`router.dispatch.replica_view` (health, availability, capacity, model limits), :mod:`router.dispatch.fanout`
+(replica requests, retry, cancel, shutdown drain), :mod:`router.response.responses` (bodies and SSE) and
+:mod:`router.lora.adapters` (LoRA adapters: which model ids they are, loads and unloads). The one
+patch of Ray Serve's internals it needs (``SO_REUSEADDR`` on the direct-ingress socket) is
+:mod:`router.ray_compat`'s, checked against the installed Ray.
 """
 
 # No "from __future__ import annotations": Serve rebuilds the route signatures and must see real types.
@@ -46,51 +48,25 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from replica.config.engine_config import EngineConfig
-from router.adapters import Adapters
-from router.body_checks import BodyChecks
-from router.choice_stream import ChoiceStream, cancel_all
 from router.config import IngressConfig
-from router.delta_receiver import DeltaReceiver
-from router.errors import configure, install
-from router.fanout import Fanout
-from router.preparation import RequestPreparer
-from router.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from router.replica_view import ReplicaView
-from router.responses import EventStream, ResponseFormatter, sse_frames
+from router.dispatch.choice_stream import ChoiceStream, cancel_all
+from router.dispatch.delta_receiver import DeltaReceiver
+from router.dispatch.fanout import Fanout
+from router.dispatch.replica_view import ReplicaView
+from router.lora.adapters import Adapters
+from router.ray_compat import reuse_address_for_direct_ingress
+from router.request.body_checks import BodyChecks
+from router.request.errors import configure, install
+from router.request.preparation import RequestPreparer
+from router.request.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from router.response.responses import EventStream, ResponseFormatter, sse_frames
 
 logger = logging.getLogger(__name__)
-
-
-def _reuse_address_for_direct_ingress() -> None:
-    """Let Serve's direct-ingress HTTP server bind its port while connections of a previous server
-    on that port linger in TIME_WAIT (``SO_REUSEADDR``, as uvicorn and most servers set it).
-
-    Ray Serve 2.60 binds that socket without it, so an ingress replica that replaces another on
-    the same port (``carpool serve``'s direct ingress: one fixed port) failed with EADDRINUSE for
-    about a minute after the old one closed connections, and Serve then blocked the port for good.
-    Serve starts that server after this class's ``__init__``; the socket module its HTTP helper
-    uses is swapped for one whose ``socket()`` sets the option. A no-op where that helper is
-    missing (another Ray version) or already patched.
-    """
-    import socket
-    import types
-
-    try:
-        from ray.serve._private import http_util
-    except ImportError:
-        return
-    if getattr(http_util, "socket", None) is not socket:
-        return
-
-    def reusable_socket(*args: Any, **kwargs: Any) -> socket.socket:
-        sock = socket.socket(*args, **kwargs)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        return sock
-
-    shim = types.ModuleType("socket")
-    shim.__dict__.update(vars(socket))
-    shim.socket = reusable_socket
-    http_util.socket = shim
 
 
 app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
@@ -107,7 +83,7 @@ class OpenAIIngress:
             (:meth:`~router.config.IngressConfig.ingress_fields`).
         engine: the replicas' engine settings as a dict (:class:`~replica.config.engine_config.EngineConfig`
             fields); the ingress reads ``model``, ``tokenizer`` and ``max_num_seqs``.
-        lora_registry: handle of the :class:`~router.lora_registry.LoRARegistry` deployment when
+        lora_registry: handle of the :class:`~router.lora.lora_registry.LoRARegistry` deployment when
             LoRA is on (``enable_lora``), else None.
     """
 
@@ -117,7 +93,7 @@ class OpenAIIngress:
     ) -> None:
         from replica.config import load_tokenizer, resolve_model_path
         from replica.serve import log_through_serve, replica_id, serve_app_name
-        from router.metrics import IngressMetrics
+        from router.observability.metrics import IngressMetrics
 
         log_through_serve()
         self.config = IngressConfig(**config)
@@ -134,7 +110,7 @@ class OpenAIIngress:
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
         self.fanout = Fanout(replica, self.replicas, DeltaReceiver() if self.config.batched_deltas else None)
         self.responses = ResponseFormatter(self.tokenizer)
-        _reuse_address_for_direct_ingress()
+        reuse_address_for_direct_ingress()  # before Serve starts this replica's HTTP server
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
@@ -165,8 +141,8 @@ class OpenAIIngress:
         alone (with a warning in the log), never an error."""
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        from router.autoscaler_record import exposition as autoscaler_exposition
-        from router.metrics import merge_expositions
+        from router.observability.autoscaler_record import exposition as autoscaler_exposition
+        from router.observability.metrics import merge_expositions
 
         try:
             results = await self.fanout.replica.broadcast("metrics_text").results_async(
@@ -209,7 +185,7 @@ class OpenAIIngress:
         """vLLM's: serve the adapter in ``lora_path`` (inside a ``--lora-dir``) as the model
         ``lora_name``; every ingress serves it from then on. Answers its card (as in
         ``GET /v1/models``) with its ``rank`` and ``target_modules``; 400 naming the reason
-        otherwise (:meth:`router.adapters.Adapters.load`)."""
+        otherwise (:meth:`router.lora.adapters.Adapters.load`)."""
         info = await self.adapters.load(body)
         card = self.adapters.cards({info["name"]: info["path"]}, (await self.replicas.model_info())["max_model_len"])[0]
         return {**card, "rank": info["rank"], "target_modules": info["target_modules"]}

@@ -35,17 +35,19 @@ class AutoscalingSettings(BaseModel):
     """Autoscale ``LLMReplica`` between ``min_replicas`` and ``max_replicas``.
 
     ``carpool`` policy, per decision (Serve's control loop, every 0.1 s), on the replicas' reports
-    averaged over ``look_back_period_s`` (seat utilization = running requests / seats, summed over
-    the replicas; queue wait = the longest head-of-queue wait of any replica, seconds; KV use =
-    the replicas' mean fraction of KV blocks in use):
+    over ``look_back_period_s`` (demand = running + waiting requests, summed over the replicas,
+    plus those queued in Serve's handles, window averages; queue wait = the 90th percentile of a
+    replica's head-of-queue wait samples in the window, the worst replica's, seconds; KV use =
+    the replicas' mean fraction of KV blocks in use); rule and source in
+    ``cluster/autoscaling/policy.py``'s ``decide``:
 
-    * **up** when the seats are full (utilization ≥ ``target_seat_utilization``) and requests wait
-      (queue wait ≥ ``target_queue_wait_s``), or the KV pool is nearly full (≥
-      ``target_kv_cache_usage``), continuously for ``upscale_delay_s``: to as many replicas as
-      running + waiting requests need at ``target_seat_utilization``;
-    * **down** when the running requests would fit on fewer replicas at
-      ``downscale_seat_utilization`` or less, with no wait, continuously for
-      ``downscale_delay_s``; to 0 only with ``min_replicas: 0``, after no request for that long;
+    * **up** when the seats do not serve the demand within the wait target (demand ≥
+      ``target_seat_utilization`` × seats and queue wait ≥ ``target_queue_wait_s``), or the KV
+      pool is nearly full (≥ ``target_kv_cache_usage``), continuously for ``upscale_delay_s``: to
+      as many replicas as the demand needs at ``target_seat_utilization``;
+    * **down** when the demand would fit on fewer replicas at ``downscale_seat_utilization`` or
+      less, with no wait, continuously for ``downscale_delay_s``; to 0 only with
+      ``min_replicas: 0``, after no request for that long;
     * **hold** otherwise, while a replica starts, and for ``cooldown_s`` after each change.
 
     ``look_back_period_s``, the delays and ``metrics_interval_s`` are in seconds.
@@ -74,16 +76,16 @@ class AutoscalingSettings(BaseModel):
     )
     # the carpool policy
     target_seat_utilization: float | None = Field(
-        None, gt=0, le=1, description="Seat utilization (0-1] at or above which, with queue waits, the policy adds replicas (default 0.9)."
+        None, gt=0, le=1, description="Demand (running + waiting requests) per seat (0-1] at or above which, with queue waits, the policy adds replicas (default 0.9)."
     )
     target_queue_wait_s: float | None = Field(
-        None, gt=0, description="Head-of-queue wait (s) at or above which, with full seats, the policy adds replicas (default 1.0)."
+        None, gt=0, description="Head-of-queue wait (s; the window's 90th percentile) at or above which, with the demand over the seats, the policy adds replicas (default 1.0)."
     )
     target_kv_cache_usage: float | None = Field(
         None, gt=0, le=1, description="KV blocks in use (0-1] at or above which the policy adds replicas (default 0.95)."
     )
     downscale_seat_utilization: float | None = Field(
-        None, gt=0, lt=1, description="Seat utilization below which one replica fewer would still run (default 0.5)."
+        None, gt=0, lt=1, description="Demand per seat at or below which one replica fewer would still serve it (default 0.5)."
     )
     cooldown_s: float | None = Field(None, ge=0, description="Decisions held after each change (s; default 60).")
     # Serve's ongoing_requests policy

@@ -5,7 +5,6 @@ Torch-free: the ingress and the CLI read it.
 
 from replica.config.engine_config import (
     DEFAULT_MODEL,
-    DTYPE_HELP,
     DTYPE_NAMES,
     EngineConfig,
     cache_dir,
@@ -15,7 +14,6 @@ from replica.config.model_files import load_tokenizer, packaged_gguf_path, resol
 
 __all__ = [
     "DEFAULT_MODEL",
-    "DTYPE_HELP",
     "DTYPE_NAMES",
     "EngineConfig",
     "cache_dir",

@@ -7,8 +7,9 @@ with the serving settings.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
@@ -22,11 +23,6 @@ def cache_dir() -> Path:
     built CPU kernels, inductor's compiled graphs."""
     return Path(os.environ.get("CARPOOL_CACHE_DIR", Path.home() / ".cache" / "carpool"))
 
-# What the CLIs say of --dtype.
-DTYPE_HELP = (
-    "auto (bfloat16 on GPUs that have it, else float16; on CPUs bfloat16 with AVX512, or AVX2 and FMA "
-    "where Carpool's kernels build, else float32), bfloat16, float16 or float32."
-)
 
 # dtype names accepted in settings -> torch dtype attribute ("auto" is resolved per device by
 # replica.worker.model_loader.resolve_dtype: bfloat16 where the device computes it well, else float16 on a
@@ -48,8 +44,26 @@ def check_dtype_name(dtype: str) -> str:
     return DTYPE_NAMES[dtype]
 
 
+BATCHING_POLICIES = ("continuous", "static")
+
+
+def deprecated_batching_name(value: object, where: str) -> bool:
+    """Whether ``value``, given to ``where`` as a scheduling policy, is one of the former names of
+    the batching policy (``"continuous"``, ``"static"``, taken until ``scheduling_policy`` became
+    vLLM's fcfs/priority); if so, warn (``FutureWarning``, which end users see) that it now goes
+    to ``batching_policy``."""
+    if value not in BATCHING_POLICIES:
+        return False
+    warnings.warn(
+        f"{where} {value!r} is deprecated: continuous and static are batching policies now "
+        f"(batching_policy / --batching-policy {value}); scheduling_policy is fcfs or priority",
+        FutureWarning, stacklevel=3,
+    )
+    return True
+
+
 class EngineConfig(BaseModel):
-    """One replica's engine: model, batch shape, KV cache and scheduling policy."""
+    """One replica's engine: model, batch shape, KV cache, batching and scheduling policies."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -152,8 +166,17 @@ class EngineConfig(BaseModel):
             "for a step's time slice; 0 leaves the thread alone."
         ),
     )
-    scheduling_policy: Literal["continuous", "static"] = Field(
+    batching_policy: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (iteration-level) batching, or the static baseline."
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description=(
+            "The waiting queue's order (vLLM's): fcfs, first come first served (a request's priority "
+            "must be 0), or priority: by each request's priority (lower first), then arrival; a waiting "
+            "request may preempt running ones of lower priority. Its former values, continuous and "
+            "static, are deprecated names of batching_policy."
+        ),
     )
     stall_timeout_s: float = Field(
         60.0,
@@ -186,6 +209,21 @@ class EngineConfig(BaseModel):
     enable_fault_injection: bool = Field(
         False, description="Testing only: allow LLMReplica.inject_stall() to wedge the engine loop on purpose."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_scheduling_policies(cls, data: Any) -> Any:
+        """``scheduling_policy: continuous|static`` (deprecated, with a warning) sets ``batching_policy``
+        (``ValueError`` when that is given too, and differs) and leaves ``scheduling_policy`` fcfs."""
+        if isinstance(data, dict) and deprecated_batching_name(data.get("scheduling_policy"), "scheduling_policy"):
+            data = dict(data)
+            old = data.pop("scheduling_policy")
+            if data.setdefault("batching_policy", old) != old:
+                raise ValueError(
+                    f"scheduling_policy {old!r} (a deprecated name of batching_policy) contradicts "
+                    f"batching_policy {data['batching_policy']!r}: give batching_policy alone"
+                )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -45,6 +45,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # vLLM's: lower runs first; only the "priority" scheduling policy reads it (replica.core.waiting_queue).
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -60,7 +62,6 @@ class Request:
     # row (a padding row) until its batch ends.
     is_padding: bool = False
     finish_step: int | None = None
-    generator: Any = None  # torch.Generator for seeded sampling, owned by the model runner
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs_sent: bool = False  # handed out in a EngineOutput already
     # Prefix caching: the chained hash of each full block of prompt + output known so far (filled

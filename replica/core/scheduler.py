@@ -18,9 +18,11 @@ Serving System for Transformer-Based Generative Models", OSDI '22) and vLLM v1's
   counts step N's tokens as computed and its samples as pending (``Request.num_pending``), a
   running request then decodes its pending token next (``from_previous``), unless that token is
   sure to be its last (max_tokens, max_model_len); a stop the pending token brings (EOS, a stop
-  string) is found one step late and that step's row for it is thrown away.
+  string) is found one step late and that step's row for it is thrown away;
+* ``scheduling_policy="priority"`` orders ``waiting`` and ``running`` by ``(priority, arrival)`` and
+  lets a waiting request preempt running ones of lower priority (:mod:`replica.core.waiting_queue`).
 
-:class:`Scheduler` is the ``"continuous"`` policy; another policy is a subclass that sets ``POLICY``
+:class:`Scheduler` is the ``"continuous"`` batching policy; another is a subclass that sets ``POLICY``
 and overrides the hooks below (:mod:`replica.core.policies` builds the scheduler of a policy by name).
 """
 
@@ -32,10 +34,12 @@ from typing import ClassVar
 from replica.core.block_manager import BlockManager
 from replica.core.drafts import roll_back
 from replica.core.lora_limit import LoRAAdmission, running_loras
+from replica.core.prefix_lookup import cached_prefix, hash_blocks
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from replica.core.waiting_queue import SCHEDULING_POLICIES, PriorityQueue, priority_victim, seat
 from replica.protocol.outputs import FinishReason
-from replica.protocol.prefix_hash import extend_block_hashes
+from replica.protocol.request_checks import check_prompt_fits
 
 
 class Scheduler:
@@ -48,21 +52,27 @@ class Scheduler:
         max_model_len: prompt + output tokens per request at most.
         max_loras: LoRA: distinct adapters among running requests at most (a waiting request of
             another adapter is passed over until one of them has no running request); None: no LoRA.
+        scheduling_policy: the waiting queue's order, ``"fcfs"`` or ``"priority"``
+            (:mod:`replica.core.waiting_queue`). Raises ``ValueError`` for another.
     """
 
-    POLICY: ClassVar[str] = "continuous"  # EngineConfig.scheduling_policy
+    POLICY: ClassVar[str] = "continuous"  # EngineConfig.batching_policy
     SUPPORTS_ASYNC_SCHEDULING: ClassVar[bool] = True  # may a step be scheduled before the last is read
+    PREEMPTS_FOR_PRIORITY: ClassVar[bool] = True  # may a waiting request preempt running ones (priority policy)
 
     def __init__(
         self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-        max_loras: int | None = None,
+        max_loras: int | None = None, scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+        self.scheduling_policy = scheduling_policy
         self.block_manager = block_manager
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] | PriorityQueue = PriorityQueue() if scheduling_policy == "priority" else deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -75,8 +85,8 @@ class Scheduler:
         self._advanced: SchedulerOutput | None = None  # async: the step advanced and not yet read
 
     @property
-    def policy(self) -> str:
-        """The scheduling policy (``EngineConfig.scheduling_policy``): this class's ``POLICY``."""
+    def batching_policy(self) -> str:
+        """The batching policy (``EngineConfig.batching_policy``): this class's ``POLICY``."""
         return self.POLICY
 
     # ---- queue state -----------------------------------------------------------------------
@@ -105,15 +115,12 @@ class Scheduler:
 
     # ---- adding and removing -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` (FCFS). Raises ``ValueError`` on a duplicate id or a prompt that can't fit."""
+        """Queue ``request`` (in ``scheduling_policy``'s order). Raises ``ValueError`` on a duplicate
+        id, ``RequestError`` on a prompt that can't fit (:func:`~replica.protocol.request_checks.check_prompt_fits`)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        scored_only = request.sampling_params.max_tokens == 0 and not request.output_token_ids
-        if request.num_tokens > self.max_model_len or (request.num_tokens == self.max_model_len and not scored_only):
-            raise ValueError(
-                f"prompt is {request.num_tokens} tokens; max_model_len is {self.max_model_len}, "
-                "so at most max_model_len - 1 prompt tokens leave room for one output token"
-            )
+        scored_only = request.sampling_params.scores_prompt_only and not request.output_token_ids
+        check_prompt_fits(request.num_tokens, self.max_model_len, scored_only)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -180,6 +187,9 @@ class Scheduler:
         """Choose the requests and token counts of the next step and allocate their blocks."""
         out = SchedulerOutput(step=self.step_count + 1)
         self._newly_cached = out.newly_cached
+        if self.scheduling_policy == "priority" and self.PREEMPTS_FOR_PRIORITY:
+            while (victim := priority_victim(self)) is not None:  # room for a waiting request of higher priority
+                self._preempt(victim, out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -199,7 +209,7 @@ class Scheduler:
             if request.is_finished:  # a seat the policy keeps after its request ended: no row here
                 index += 1
                 continue
-            cached = self._cached_prefix(request)  # a request seated without blocks: its first chunk
+            cached = cached_prefix(self.block_manager, request)  # a request seated without blocks: its first chunk
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
             num_new = min(self._known_or_pending(request) - start, budget)
             if num_new <= 0:
@@ -224,7 +234,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Hook: admit waiting requests into ``out``, FCFS, while seats, ``budget`` and blocks allow
+        """Hook: admit waiting requests into ``out``, in the queue's order, while seats, ``budget`` and blocks allow
         (called only when no request was preempted this step: ``running`` is as the step found it).
         A request whose adapter would exceed ``max_loras`` is passed over, keeping its place."""
         index = 0
@@ -234,7 +244,7 @@ class Scheduler:
             if loras.blocked(request):
                 index += 1
                 continue
-            cached = self._cached_prefix(request)
+            cached = cached_prefix(self.block_manager, request)
             start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
             target = start + num_new
@@ -243,7 +253,7 @@ class Scheduler:
             del self.waiting[index]
             loras.admit(request)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            seat(self.running, request, self.scheduling_policy)
             self._allocate(request, target, cached)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -263,30 +273,10 @@ class Scheduler:
             request=request,
             start=start,
             num_new_tokens=num_new,
-            # max_tokens == 0 (score the prompt only): the prefill ends the request, nothing is sampled
-            samples=start + num_new == self._known_or_pending(request) and request.sampling_params.max_tokens > 0,
+            # scores the prompt only: the prefill ends the request, nothing is sampled
+            samples=start + num_new == self._known_or_pending(request) and not request.sampling_params.scores_prompt_only,
             from_previous=start >= request.num_tokens,
         )
-
-    def _cached_prefix(self, request: Request) -> list[int] | None:
-        """The prefix-cached blocks a request that holds no blocks yet can start from: the longest
-        run of its leading full blocks found in the cache, leaving at least its last known token to
-        compute (its logits give the next token). None when no lookup applies: caching off, a
-        request already under way, or one that asks for prompt logprobs (they need the logits of
-        every prompt position, as in vLLM)."""
-        bm = self.block_manager
-        if not bm.enable_caching or request.block_ids or request.num_computed_tokens:
-            return None
-        if request.sampling_params.prompt_logprobs is not None:
-            return None
-        self._hash_blocks(request, request.num_tokens // bm.block_size)
-        return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
-
-    def _hash_blocks(self, request: Request, num_blocks: int) -> None:
-        """Make ``request.block_hashes`` cover at least its first ``num_blocks`` full blocks (lazily:
-        the sequence is copied only when a block is missing)."""
-        if len(request.block_hashes) < num_blocks:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_manager.block_size, request.hash_root)
 
     def _allocate(self, request: Request, num_tokens: int, cached: list[int] | None = None) -> None:
         """Grow ``request``'s blocks to ``num_tokens`` tokens, starting from the ``cached`` prefix
@@ -313,15 +303,15 @@ class Scheduler:
         bm = self.block_manager
         full = num_tokens // bm.block_size
         if bm.enable_caching and full > request.num_cached_blocks:
-            self._hash_blocks(request, full)
+            hash_blocks(request, bm.block_size, full)
             self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
             request.num_cached_blocks = full
 
     def _pick_victim(self, requester: Request) -> Request:
-        """Hook: the request to preempt so that ``requester`` can grow: the newest running request
-        newer than ``requester`` that holds blocks (preempting one without blocks frees nothing;
-        running requests are scheduled oldest first, so those newer than the requester are not in
-        this step yet), else the requester itself."""
+        """Hook: the request to preempt so that ``requester`` can grow: the last running request
+        after ``requester`` that holds blocks (the newest; under the priority policy the lowest
+        priority, newest: vLLM's choice), else the requester itself. Preempting one without blocks
+        frees nothing; those after the requester are not scheduled in this step yet."""
         for request in reversed(self.running):
             if request is requester:
                 break
@@ -337,7 +327,8 @@ class Scheduler:
         self._released.append(request.request_id)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        """Hook: preempt ``request`` by recompute (first in ``waiting``, nothing computed)."""
+        """Hook: preempt ``request`` by recompute (nothing computed; first in ``waiting``, or at its
+        ``(priority, arrival)`` place under the priority policy)."""
         self._free_blocks(request)
         self.running.remove(request)
         request.num_computed_tokens = 0
@@ -366,7 +357,7 @@ class Scheduler:
 
         ``sampled_token_ids[i]`` is the token sampled for ``out.scheduled[i]`` (None where that
         row does not sample). Returns the requests that produced a token this step (or, with
-        ``max_tokens == 0``, finished their prefill), in order; those that finished have ``status ==
+        scoring their prompt only, finished their prefill), in order; those that finished have ``status ==
         FINISHED`` and their seat and blocks are already free (unless the policy keeps them:
         :meth:`_release_finished`). With ``advanced``, a request preempted since the step was
         scheduled still gets its token (it is recomputed with it). ``extra_token_ids[i]``
@@ -390,7 +381,7 @@ class Scheduler:
                 # The prompt's last chunk (not num_computed_tokens: with ``advanced`` it may count a
                 # later chunk still in flight).
                 ends_prompt = scheduled.start + scheduled.num_new_tokens == request.num_tokens
-                if request.sampling_params.max_tokens == 0 and ends_prompt:
+                if request.sampling_params.scores_prompt_only and ends_prompt:
                     produced.append(request)  # the prompt is prefilled (and scored): done, no token
                     self._finish(request, FinishReason.LENGTH, None, out.step)
                 continue

@@ -1,4 +1,4 @@
-"""Static batching, the baseline that continuous batching is compared with (``scheduling_policy="static"``).
+"""Static batching, the baseline that continuous batching is compared with (``batching_policy="static"``).
 
 Plain Python, no torch. A batch is admitted only when the previous one has wholly finished, and a
 finished member keeps its seat, its blocks and its row in the forward (as padding, like a padded
@@ -17,6 +17,7 @@ from replica.core.lora_limit import LoRAAdmission
 from replica.core.request import Request, RequestStatus
 from replica.core.scheduler import Scheduler
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from replica.core.waiting_queue import seat
 from replica.protocol.outputs import FinishReason
 
 
@@ -26,6 +27,7 @@ class StaticBatchScheduler(Scheduler):
 
     POLICY = "static"
     SUPPORTS_ASYNC_SCHEDULING = False  # padding rows and the batch's release assume synchronous steps
+    PREEMPTS_FOR_PRIORITY = False  # a batch is fixed when it forms: priority orders the queue only
 
     # ---- queue state -----------------------------------------------------------------------
     @property
@@ -96,7 +98,7 @@ class StaticBatchScheduler(Scheduler):
             self.waiting.popleft()
             loras.admit(request)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            seat(self.running, request, self.scheduling_policy)
 
     def _pick_victim(self, requester: Request) -> Request:
         """Padding rows that hold blocks go first (they are scheduled after every real request)."""

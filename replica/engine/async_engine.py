@@ -17,12 +17,12 @@ tells how long the loop has made no progress while work is queued (a wedged loop
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
@@ -30,9 +30,12 @@ from replica.core.request import Request
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.lora_support import check_lora_request
 from replica.engine.metrics import EngineMetrics
+from replica.engine.request_builder import request_from_envelope
+from replica.engine.request_streams import Sink, Stream, put_all
 from replica.engine.stats import EngineStats
 from replica.engine.thread_priority import lower_thread_priority
 from replica.protocol.errors import EngineDeadError, RequestAbortedError, RequestFailedError
+from replica.protocol.envelope import RequestEnvelope
 from replica.protocol.outputs import EngineOutput, merge_queued
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
@@ -41,44 +44,6 @@ logger = logging.getLogger(__name__)
 
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestAbortedError", "RequestFailedError"]
-
-
-@dataclass
-class _Stream:
-    """Where a request's outputs go. ``added`` turns true when the loop thread has added
-    ``request`` to the engine: until then an output under the same id belongs to an earlier
-    request whose caller left (its abort still queued) and is not delivered here."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: Any  # asyncio.Queue, or a _Sink: what has put_nowait(item)
-    request: Request | None = None
-    added: bool = False
-
-
-class _Sink:
-    """A stream's receiver for :meth:`AsyncLLMEngine.run`: each delta goes to ``on_output`` at
-    once; the last one (``finished``) or an error resolves ``done``. Items after that (none are
-    expected) are ignored."""
-
-    __slots__ = ("on_output", "done")
-
-    def __init__(self, on_output: Callable[[EngineOutput], None], done: asyncio.Future) -> None:
-        self.on_output = on_output
-        self.done = done
-
-    def put_nowait(self, item: EngineOutput | BaseException) -> None:
-        if self.done.done():
-            return
-        if isinstance(item, BaseException):
-            self.done.set_exception(item)
-            return
-        try:
-            self.on_output(item)
-        except Exception as exc:  # the consumer failed: end this request
-            self.done.set_exception(exc)
-            return
-        if item.finished:
-            self.done.set_result(None)
 
 
 class AsyncLLMEngine:
@@ -100,7 +65,7 @@ class AsyncLLMEngine:
     ) -> None:
         self.engine = engine or LLMEngine(config or EngineConfig(), metrics=metrics, launch_ranks=launch_ranks)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._streams_lock = threading.Lock()
         self._error: BaseException | None = None
         self._stopping = False
@@ -174,22 +139,42 @@ class AsyncLLMEngine:
         :class:`RequestAbortedError` with ``reason``. Used when the server shuts down."""
         self._commands.put(("abort_all", reason))
 
+    async def make_request(self, envelope: RequestEnvelope) -> Request:
+        """The :class:`Request` of an envelope, for :meth:`generate` or :meth:`run` (its adapter
+        resolved once, its prompt checked against this ``max_model_len``, its constraint compiled:
+        :func:`~replica.engine.request_builder.request_from_envelope`). In a worker thread only for
+        a constraint or an adapter not in host memory yet (files to read). Raises ``ValueError``."""
+        engine = self.engine
+        make = functools.partial(
+            request_from_envelope, envelope, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_token_ids,
+            grammar_compiler=engine.grammar_compiler, lora=engine.lora, scheduling_policy=engine.scheduler.scheduling_policy,
+        )
+        lora = envelope.lora_request
+        try:
+            if envelope.sampling_params.structured_outputs is not None or (lora is not None and not self.lora_in_memory(lora)):
+                return await asyncio.to_thread(make)
+            return make()
+        except ValueError:
+            if engine.metrics is not None:
+                engine.metrics.on_rejected()
+            raise
+
     async def generate(
         self,
-        request_id: str,
+        request_id: str | Request,
         *,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Queue a request (with ``lora_request``: run with that adapter) and yield its deltas
-        until it finishes. Deltas that pile up while the caller is busy come out merged into one.
+        """Queue a request (with ``lora_request``: run with that adapter; or, as ``request_id``, a
+        request made by :meth:`make_request`, and nothing else) and yield its deltas until it finishes. Deltas that pile up while the caller is busy come out merged into one.
 
         Raises ``ValueError`` (bad input, before anything is queued) or :class:`EngineDeadError`.
         Closing or cancelling the iterator early aborts the request inside the engine.
         """
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue())
         request = await self._submit(request_id, prompt, prompt_token_ids, sampling_params, stream, lora_request)
         finished = False
         try:
@@ -210,14 +195,14 @@ class AsyncLLMEngine:
 
     async def run(
         self,
-        request_id: str,
+        request_id: str | Request,
         *,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams | None,
         on_output: Callable[[EngineOutput], None],
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request and call ``on_output(delta)`` with each of its deltas, on this event
+        """Queue a request (as :meth:`generate` does) and call ``on_output(delta)`` with each of its deltas, on this event
         loop, as the engine steps; return once the last one (``finished``) was passed on.
 
         Unlike :meth:`generate`, deltas are not merged and no coroutine wakes up per delta: the
@@ -229,8 +214,8 @@ class AsyncLLMEngine:
         request inside the engine.
         """
         loop = asyncio.get_running_loop()
-        sink = _Sink(on_output, loop.create_future())
-        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, _Stream(loop, sink), lora_request)
+        sink = Sink(on_output, loop.create_future())
+        request = await self._submit(request_id, None, prompt_token_ids, sampling_params, Stream(loop, sink), lora_request)
         finished = False
         try:
             await sink.done
@@ -255,20 +240,23 @@ class AsyncLLMEngine:
 
     async def _submit(
         self,
-        request_id: str,
+        request_id: str | Request,
         prompt: str | None,
         prompt_token_ids: list[int] | None,
         sampling_params: SamplingParams | None,
-        stream: "_Stream",
+        stream: Stream,
         lora_request: LoRARequest | None = None,
     ) -> Request:
-        """Make the request, register its stream and queue it for the loop thread.
+        """Make the request (unless ``request_id`` is one already), register its stream and queue
+        it for the loop thread.
 
         Raises ``ValueError`` (bad input or a request id in use) or :class:`EngineDeadError`."""
         if self._error is not None:
             raise EngineDeadError(f"engine loop died: {self._error!r}")
         args = (request_id, prompt, prompt_token_ids, sampling_params, None, lora_request)
-        if lora_request is not None or (sampling_params is not None and sampling_params.structured_outputs is not None):
+        if isinstance(request_id, Request):
+            request = request_id
+        elif lora_request is not None or (sampling_params is not None and sampling_params.structured_outputs is not None):
             # Compiling a new constraint, or reading an adapter, may take milliseconds: not on this event loop.
             request = await asyncio.to_thread(self.engine.make_request, *args)
         else:
@@ -403,11 +391,7 @@ class AsyncLLMEngine:
                 puts.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, queued in puts.items():
             try:
-                loop.call_soon_threadsafe(_put_all, queued)
+                loop.call_soon_threadsafe(put_all, queued)
             except RuntimeError:  # that event loop is closed
                 pass
 
-
-def _put_all(items: list[tuple[asyncio.Queue, EngineOutput | BaseException]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)

@@ -17,7 +17,7 @@ class LLM:
 
     Keyword arguments are :class:`~replica.config.engine_config.EngineConfig` fields (``model``, ``dtype``,
     ``device``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_blocks`` or
-    ``kv_cache_memory`` (bytes), ``max_model_len``, ``scheduling_policy``).
+    ``kv_cache_memory`` (bytes), ``max_model_len``, ``batching_policy``, ``scheduling_policy``).
 
     Example::
 
@@ -50,6 +50,7 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
@@ -59,9 +60,12 @@ class LLM:
             prompt_token_ids: token id prompts, instead of ``prompts``.
             use_tqdm: show a progress bar of finished requests.
             lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model).
+            priority: one per prompt, as vLLM's (lower runs first; only with
+                ``scheduling_policy="priority"``); None: all 0.
         Raises:
             ValueError: a bad prompt or parameter, an adapter that cannot be used
-                (``LoRAAdapterError``); nothing is queued then.
+                (``LoRAAdapterError``), a ``priority`` list of another length or a nonzero
+                priority under ``"fcfs"`` (``RequestError``); nothing is queued then.
         """
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
@@ -82,16 +86,20 @@ class LLM:
             if len(loras) != len(items):
                 raise ValueError(f"lora_request has {len(loras)} entries for {len(items)} prompts")
 
+        priorities = [0] * len(items) if priority is None else list(priority)
+        if len(priorities) != len(items):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(items)} prompts")
+
         engine = self.engine
         requests = []  # (prompt index, sequence index, Request)
-        for i, (item, params, lora) in enumerate(zip(items, params_list, loras)):
+        for i, (item, params, lora, prio) in enumerate(zip(items, params_list, loras, priorities)):
             for j in range(params.n):
                 seq_params = params
                 if params.n > 1:
                     seed = None if params.seed is None else params.seed + j
                     seq_params = dataclasses.replace(params, n=1, seed=seed)
                 text, ids = (item, None) if prompts is not None else (None, item)
-                requests.append((i, j, engine.make_request(None, text, ids, seq_params, None, lora)))
+                requests.append((i, j, engine.make_request(None, text, ids, seq_params, None, lora, prio)))
         for _, _, request in requests:
             engine.add_prepared_request(request)
 

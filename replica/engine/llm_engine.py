@@ -8,6 +8,10 @@ With ``async_scheduling`` one ``step()`` = schedule step N → launch its forwar
 tokens, update, detokenize → sample step N and leave it in flight: a step's outputs come out of
 the next ``step()`` call, and step N's decode rows take their input tokens from step N-1's device
 tensor (see :meth:`LLMEngine._step_overlapped`).
+
+What the engine reports about itself (its load, its settings, a record of each step for
+observers, the block accounting check) is :mod:`replica.engine.reporting`'s, mixed in; what a
+failed step does is :mod:`replica.engine.step_failures`'.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 
 from torch.profiler import record_function
 
-from replica.config.engine_config import EngineConfig
+from replica.config.engine_config import EngineConfig, deprecated_batching_name
 from replica.config.model_files import load_tokenizer, resolve_model_path
 from replica.core.block_manager import BlockManager
 from replica.core.policies import make_scheduler
@@ -28,9 +32,10 @@ from replica.engine.lora_support import EngineLoRA, check_lora_request, runner_l
 from replica.engine.metrics import EngineMetrics
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.request_builder import build_request, eos_token_ids
-from replica.engine.stats import EngineStats, SpecDecodeStats
+from replica.engine.reporting import EngineReporting
 from replica.engine.step_failures import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, fail_request, fail_step
 from replica.protocol.outputs import EngineOutput, FinishReason
+from replica.protocol.request_checks import check_priority
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import GrammarCompiler
@@ -43,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "EngineStateError", "MAX_CONSECUTIVE_FAILED_STEPS"]  # the latter two: step_failures'
 
-class LLMEngine:
+class LLMEngine(EngineReporting):
     """Continuous-batching engine over a paged KV cache for one transformers model.
 
     Args:
@@ -77,7 +82,7 @@ class LLMEngine:
                 cfg.max_model_len, self.runner.shape, self.runner.num_blocks, cfg.block_size)
             self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching)
             self.lora = EngineLoRA(cfg, self.runner) if cfg.enable_lora else None
-            self.scheduler = self._make_scheduler(cfg.scheduling_policy)
+            self.scheduler = self._make_scheduler(cfg.batching_policy, cfg.scheduling_policy)
             self.vocab_size = self.runner.vocab_size
             self.runner.init_batch(cfg.max_num_seqs, self.max_model_len)
             self.warm_up_report = self.runner.warm_up(cfg.max_num_batched_tokens, cfg.max_num_seqs)
@@ -98,33 +103,30 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, metrics)
         self._ids = itertools.count()
-        self.last_scheduler_output = None  # SchedulerOutput of the latest step (benchmarks read it)
         self._consecutive_failed_steps = 0
         self._in_flight: InFlight | None = None  # async scheduling: the step the next step() reads
         self._refresh_stats()
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
-        self,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        sampling_params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
+        self, request_id: str | None = None, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None, priority: int = 0,
     ) -> Request:
         """Validate and build a :class:`Request` without touching engine state (thread-safe).
         With ``lora_request``, the request runs with that adapter (read from its folder the first
-        time the engine sees it).
+        time the engine sees it); ``priority``: vLLM's (lower runs first; not 0 only under the
+        ``"priority"`` scheduling policy).
 
         Raises:
             ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id
                 outside the vocabulary, ``prompt`` too long for ``max_model_len``, bad
-                ``sampling_params``; ``LoRAAdapterError`` (a ``ValueError``): the adapter cannot
-                be used, or LoRA is not enabled.
+                ``sampling_params``, ``priority`` not an int or not 0 under ``"fcfs"``;
+                ``LoRAAdapterError`` (a ``ValueError``): the adapter cannot be used, or LoRA is not enabled.
         """
         try:
             request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+            request.priority = check_priority(priority, self.scheduler.scheduling_policy)
             request.lora = check_lora_request(self.lora, lora_request)
             return request
         except ValueError:
@@ -141,16 +143,12 @@ class LLMEngine:
         )
 
     def add_request(
-        self,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        sampling_params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
+        self, request_id: str | None = None, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None, priority: int = 0,
     ) -> Request:
         """Validate (see :meth:`make_request`) and queue a request; returns it."""
-        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time, lora_request)
+        request = self.make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time, lora_request, priority)
         self.add_prepared_request(request)
         return request
 
@@ -188,24 +186,31 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.forget(request_id)
 
-    @property
-    def spec_decode_stats(self) -> SpecDecodeStats:
-        """Speculative decoding's counters since start (all zero without speculation)."""
-        return self.speculator.stats if self.speculator is not None else SpecDecodeStats()
-
-    def _make_scheduler(self, policy: str):
+    def _make_scheduler(self, batching: str, scheduling: str):
         cfg = self.config
-        return make_scheduler(policy, self.block_manager, max_num_seqs=cfg.max_num_seqs,
+        return make_scheduler(batching, self.block_manager, max_num_seqs=cfg.max_num_seqs,
                               max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=self.max_model_len,
-                              max_loras=cfg.max_loras if cfg.enable_lora else None)
+                              max_loras=cfg.max_loras if cfg.enable_lora else None, scheduling_policy=scheduling)
+
+    def set_batching_policy(self, policy: str) -> None:
+        """Batch with ``policy`` (``"continuous"`` or ``"static"``; benchmarks run each in turn on one
+        engine), keeping the scheduling policy: a new scheduler over the same KV blocks, its counters
+        at 0. Raises ``RuntimeError`` unless the engine is idle, ``ValueError`` for an unknown policy."""
+        self._replace_scheduler(policy, self.scheduler.scheduling_policy)
 
     def set_scheduling_policy(self, policy: str) -> None:
-        """Schedule with ``policy`` (``"continuous"`` or ``"static"``; benchmarks run each in turn on
-        one engine): a new scheduler over the same KV blocks, its counters at 0. Raises
-        ``RuntimeError`` unless the engine is idle, ``ValueError`` for an unknown policy."""
+        """Order the waiting queue by ``policy`` (``"fcfs"`` or ``"priority"``), keeping the batching
+        policy; raises as :meth:`set_batching_policy`. ``"continuous"`` and ``"static"``, its former
+        values, still set the batching policy, with a ``FutureWarning``."""
+        if deprecated_batching_name(policy, "LLMEngine.set_scheduling_policy"):
+            self.set_batching_policy(policy)
+        else:
+            self._replace_scheduler(self.scheduler.batching_policy, policy)
+
+    def _replace_scheduler(self, batching: str, scheduling: str) -> None:
         if self.has_unfinished_requests() or self._in_flight is not None:
             raise RuntimeError("the scheduling policy changes only on an idle engine")
-        scheduler = self._make_scheduler(policy)
+        scheduler = self._make_scheduler(batching, scheduling)
         self._forget_released()
         self.scheduler = scheduler
         self._refresh_stats()
@@ -250,7 +255,6 @@ class LLMEngine:
             self.metrics.on_prefix_cache(
                 queries=scheduler.prefix_cache_queries - queries, hits=scheduler.prefix_cache_hits - hits
             )
-        self.last_scheduler_output = out
         self._forget_released()
         seats_taken = self.scheduler.num_seats_taken  # during this step, before finishes free seats
         for sched in out.scheduled:
@@ -258,7 +262,7 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = started
                 if self.metrics is not None:
-                    self.metrics.on_first_scheduled(started - request.arrival_time)
+                    self.metrics.on_first_scheduled(started - request.arrival_time, request.priority)
         if self.async_scheduling:
             outputs = self._step_overlapped(out)
         elif out.is_empty:
@@ -270,7 +274,9 @@ class LLMEngine:
                         self.speculator.prepare(self.scheduler, out)
                 result = self.runner.execute(out)
             except Exception as exc:
-                return self._fail_step(out, exc)
+                outputs = fail_step(self, out, exc)
+                self._notify_step(out, started)
+                return outputs
             self._consecutive_failed_steps = 0
             outputs = self._process(out, result)
             if self.speculator is not None:
@@ -283,9 +289,10 @@ class LLMEngine:
                 num_running=seats_taken,
                 num_slots=self.scheduler.max_num_seqs,
                 duration_s=time.monotonic() - started,
-                num_preempted=len(out.preempted),
+                preempted=[r.priority for r in out.preempted],
             )
         self._refresh_stats()
+        self._notify_step(out, started)
         return outputs
 
     def _step_overlapped(self, out: SchedulerOutput) -> list[EngineOutput]:
@@ -307,7 +314,7 @@ class LLMEngine:
             try:
                 result = pending.result()
             except Exception as exc:
-                outputs += self._fail_step(prev_out, exc)
+                outputs += fail_step(self, prev_out, exc)
             else:
                 outputs += self._process(prev_out, result, advanced=True)
         if launched is not None:
@@ -316,7 +323,7 @@ class LLMEngine:
             except Exception as exc:
                 failed = exc
         if failed is not None:
-            return outputs + self._fail_step(out, failed)
+            return outputs + fail_step(self, out, failed)
         if launched is not None:
             self._consecutive_failed_steps = 0
         return outputs
@@ -330,7 +337,7 @@ class LLMEngine:
             request = out.scheduled[row].request
             if request.is_finished:
                 continue
-            outputs.append(self._fail_request(request, exc))
+            outputs.append(fail_request(self, request, exc))
         for row, entries in result.prompt_logprobs.items():
             out.scheduled[row].request.prompt_logprobs.extend(entries)
         logprobs_of = {  # a row's logprobs entries: its first token's, then (speculation) the others'
@@ -349,28 +356,11 @@ class LLMEngine:
                         request, now, logprobs_of.get(id(request)), out.step, self._finish_on_stop_string
                     ))
                 except Exception as exc:
-                    outputs.append(self._fail_request(request, exc))
+                    outputs.append(fail_request(self, request, exc))
         return outputs
 
     def _finish_on_stop_string(self, request_id: str, stop_string: str, step: int) -> None:
         self.scheduler.finish_request(request_id, FinishReason.STOP, stop_string, step)
-
-    def _fail_request(self, request: Request, exc: BaseException) -> EngineOutput:
-        return fail_request(self, request, exc)
-
-    def _fail_step(self, out: SchedulerOutput, exc: BaseException) -> list[EngineOutput]:
-        return fail_step(self, out, exc)
-
-    def _refresh_stats(self) -> None:
-        """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
-        aborted request), and set the metrics' gauges from it."""
-        self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
-        self._lora_stats = self.lora.snapshot(self.scheduler) if self.lora is not None else None
-        if self.metrics is not None:
-            self.metrics.on_state(
-                num_slots=stats.num_slots, num_running=stats.num_running, num_waiting=stats.num_waiting,
-                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-            )
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``), e.g. between
@@ -379,18 +369,26 @@ class LLMEngine:
         self._refresh_stats()
         return dropped
 
-    # ---- state -------------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
-        """The engine's load after its latest change (step, add or abort). An immutable snapshot,
-        so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
-        return self._stats
+    # ---- LoRA adapters (what the engine reports: replica.engine.reporting) -------------------
+    def add_lora(self, lora_request: LoRARequest) -> dict:
+        """Read and check an adapter into host memory now (vLLM's ``add_lora``), so that the
+        requests naming it read no file: ``{"name", "path", "rank", "target_modules"}``.
+        Thread-safe; reads files. Raises ``LoRAAdapterError`` naming the reason (or that LoRA is
+        not enabled)."""
+        adapter = check_lora_request(self.lora, lora_request)
+        return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
+                "target_modules": adapter.target_modules}
 
-    def lora_stats(self) -> dict | None:
-        """LoRA's state (:meth:`EngineLoRA.snapshot <replica.engine.lora_support.EngineLoRA.snapshot>`;
-        None without LoRA); thread-safe: requests and slots as of the engine's latest change, the
-        adapters in host memory as of now."""
-        stats = self._lora_stats
-        return None if stats is None else {**stats, "cached": self.lora.registry.names()}
+    def activate_lora(self, lora_request: LoRARequest) -> bool:
+        """Write an adapter into a device slot now rather than in the first step that runs it
+        (read first, as :meth:`add_lora`, unless in host memory); the slot of the least used
+        adapter that no running request holds is taken. Returns whether a slot was written
+        (False: it was in one). On the engine's thread. Raises ``LoRAAdapterError`` as
+        :meth:`add_lora`, ``RuntimeError`` when running requests hold every slot."""
+        adapter = check_lora_request(self.lora, lora_request)  # raises first without LoRA
+        written = self.lora.activate(adapter, self.scheduler.running)
+        self._refresh_stats()  # lora_stats()'s "loaded"
+        return written
 
     def remove_lora(self, lora_name: str) -> bool:
         """Forget the adapter(s) named ``lora_name`` from host memory (thread-safe); requests
@@ -400,11 +398,3 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing at TP 1; idempotent)."""
         self.runner.close()
-
-    def check_integrity(self) -> None:
-        """Block accounting holds, and every block's owner is a live request (``AssertionError`` otherwise)."""
-        self.block_manager.check_integrity()
-        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
-        leaked = set(self.block_manager.owners()) - live
-        if leaked:
-            raise AssertionError(f"blocks held by finished requests: {sorted(leaked)}")

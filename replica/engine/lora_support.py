@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 from replica.config.engine_config import EngineConfig
+from replica.core.lora_limit import running_loras
 from replica.kernels.shapes import padded_size
 from replica.lora.adapter import LoRAAdapter
 from replica.lora.registry import LoRARegistry
@@ -41,6 +44,15 @@ class EngineLoRA:
         if not isinstance(lora_request, LoRARequest):
             raise LoRAAdapterError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         return self.registry.get(lora_request)
+
+    def activate(self, adapter: LoRAAdapter, running) -> bool:
+        """Put ``adapter`` in a device slot now, sparing the adapters of the ``running`` requests
+        (as a step that runs it would: :meth:`LoRASlots.prepare <replica.lora.slots.LoRASlots.prepare>`
+        with one one-token row); returns whether a slot was written. Raises ``RuntimeError`` when
+        every slot holds a running request's adapter."""
+        loads = self.slots.num_loads
+        self.slots.prepare([adapter], np.ones(1, dtype=np.int64), running_loras(running))
+        return self.slots.num_loads > loads
 
     def snapshot(self, scheduler) -> dict[str, Any]:
         """``max_loras``; ``loaded`` (adapters in device slots), ``cached`` (in host memory);

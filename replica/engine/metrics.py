@@ -4,7 +4,13 @@ Names carry the ``carpool:`` prefix and vLLM's semantics where the name is share
 and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_name`` and
 ``replica`` on every series, ``finished_reason`` on ``request_success_total``, ``position`` on
 ``spec_decode_num_accepted_tokens_per_pos_total``, ``adapter`` on ``lora_requests_running`` and
-``lora_requests_waiting``.
+``lora_requests_waiting``, ``priority`` on ``num_preemptions_by_priority_total`` and
+``request_queue_time_by_priority_seconds``.
+
+Priority: the label is the request's ``priority`` (vLLM's: lower runs first) as a decimal string,
+clamped into ``[-PRIORITY_LABEL_BOUND, PRIORITY_LABEL_BOUND]``, the two ends written ``<=-4`` and
+``>=4`` (:func:`priority_label`): at most 9 values, whatever priorities clients send. Under the
+``fcfs`` scheduling policy every request has priority 0, so one series each.
 
 LoRA: one series per adapter name, for the adapters the engine knows (in host memory, or with
 requests running or waiting), removed when it forgets one (unloaded, or evicted from host memory,
@@ -22,6 +28,8 @@ as soon as the load ends, aborts included.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets (seconds) that resolve both a GPU (milliseconds) and this CPU (up to minutes).
@@ -32,8 +40,19 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
+PRIORITY_LABEL_BOUND = 4  # priority labels: -3 .. 3 as themselves, "<=-4" and ">=4" for the rest
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # replica.protocol.constraints.KINDS
 COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def priority_label(priority: int) -> str:
+    """The ``priority`` label of a request's priority: ``str(priority)`` within
+    ``(-PRIORITY_LABEL_BOUND, PRIORITY_LABEL_BOUND)``, else ``"<=-4"`` or ``">=4"`` (9 values at most)."""
+    if priority <= -PRIORITY_LABEL_BOUND:
+        return f"<=-{PRIORITY_LABEL_BOUND}"
+    if priority >= PRIORITY_LABEL_BOUND:
+        return f">={PRIORITY_LABEL_BOUND}"
+    return str(priority)
 
 
 class EngineMetrics:
@@ -73,6 +92,11 @@ class EngineMetrics:
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
         self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by recompute (blocks ran out).")
+        self._preemptions_by_priority = Counter(
+            "carpool:num_preemptions_by_priority",
+            "Preemptions by recompute, by the preempted request's priority (label: priority_label).",
+            names + ["priority"], registry=r,
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache (vLLM's semantics)."
         )
@@ -156,6 +180,11 @@ class EngineMetrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled (time waiting for a seat).", LATENCY_BUCKETS
         )
+        self._queue_time_by_priority = Histogram(
+            "carpool:request_queue_time_by_priority_seconds",
+            "Arrival to first scheduled, by the request's priority (label: priority_label).",
+            names + ["priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )
 
     # ---- hooks the engine calls -----------------------------------------------------------------
     def on_state(self, *, num_slots: int, num_running: int, num_waiting: int, num_free_blocks: int, num_total_blocks: int) -> None:
@@ -168,13 +197,18 @@ class EngineMetrics:
         self.kv_cache_blocks_free.set(num_free_blocks)
         self.kv_cache_usage_perc.set(1.0 - num_free_blocks / num_total_blocks)
 
-    def on_step(self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float, num_preempted: int) -> None:
-        """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``."""
+    def on_step(
+        self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float, preempted: Sequence[int] = ()
+    ) -> None:
+        """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``;
+        ``preempted``: the priority of each request it preempted."""
         self.iteration_tokens.observe(num_tokens)
         self.batch_occupancy.observe(num_running / num_slots)
         self.step_duration.observe(duration_s)
-        if num_preempted:
-            self.num_preemptions.inc(num_preempted)
+        if preempted:
+            self.num_preemptions.inc(len(preempted))
+            for priority in preempted:
+                self._preemptions_by_priority.labels(**self.labels, priority=priority_label(priority)).inc()
 
     def on_prefix_cache(self, *, queries: int, hits: int) -> None:
         """A step's admissions looked ``queries`` tokens up in the prefix cache and found ``hits``."""
@@ -214,8 +248,10 @@ class EngineMetrics:
             self.lora_adapter_loads.inc(loads - self._lora_loads_seen)
             self._lora_loads_seen = loads
 
-    def on_first_scheduled(self, queue_time_s: float) -> None:
+    def on_first_scheduled(self, queue_time_s: float, priority: int = 0) -> None:
+        """A request (of ``priority``) was scheduled for the first time, ``queue_time_s`` after arrival."""
         self.request_queue_time.observe(queue_time_s)
+        self._queue_time_by_priority.labels(**self.labels, priority=priority_label(priority)).observe(queue_time_s)
 
     def on_prompt_prefilled(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -51,7 +51,7 @@ class OutputProcessor:
         finish_on_stop_string: Callable[[str, str, int], object],
     ) -> EngineOutput:
         """Record the tokens just appended to ``request`` by step ``step`` (one, or with speculative
-        decoding one per accepted draft and one more; none with ``max_tokens == 0``, whose prefill
+        decoding one per accepted draft and one more; none for a request that scores its prompt only (``scores_prompt_only``), whose prefill
         just ended it): metrics, detokenizer, stop strings; prompt logprobs with the first.
         ``logprobs``: the new tokens' entries (or None). ``now``: ``time.monotonic()`` seconds.
 
@@ -62,7 +62,7 @@ class OutputProcessor:
         seat and blocks). Raises what the detokenizer raises."""
         metrics = self.metrics
         first = request.first_token_time is None
-        scored_only = request.sampling_params.max_tokens == 0
+        scored_only = request.sampling_params.scores_prompt_only
         detokenizer = self.detokenizers[request.request_id]
         token_ids = [] if scored_only else request.output_token_ids[detokenizer.num_tokens :]
         if first:

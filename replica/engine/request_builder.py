@@ -2,6 +2,9 @@
 
 Plain functions of the model's facts (tokenizer, vocabulary, ``max_model_len``, EOS ids), no
 engine state, so any thread may call them (the async engine checks requests before queueing).
+The rules are :mod:`replica.protocol.request_checks`' (the ingress's): a request from a caller
+without an ingress passes all of them (:func:`build_request`); an envelope the ingress built, only
+this engine's ``max_model_len`` (:func:`request_from_envelope`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ import time
 from typing import Any
 
 from replica.core.request import Request
+from replica.engine.lora_support import EngineLoRA, check_lora_request
+from replica.protocol.envelope import RequestEnvelope
+from replica.protocol.request_checks import ModelLimits, check_priority, check_prompt_fits, check_request
 from replica.protocol.sampling_params import SamplingParams
 
 
@@ -40,53 +46,91 @@ def build_request(
     eos_token_ids: tuple[int, ...],
     grammar_compiler: Any = None,
 ) -> Request:
-    """A checked :class:`Request`: text prompts are tokenized (with the tokenizer's special
-    tokens); ``sampling_params`` default to vLLM's; ``arrival_time`` defaults to now (monotonic s).
+    """A checked :class:`Request` for a caller without an ingress (``LLM``, ``LLMEngine``): text
+    prompts are tokenized (with the tokenizer's special tokens); ``sampling_params`` default to
+    vLLM's (and are validated again: the caller's object is mutable); the request rules are the
+    ingress's own (:func:`~replica.protocol.request_checks.check_request`, naming ``prompt`` or
+    ``prompt_token_ids``); ``arrival_time`` defaults to now (monotonic s).
 
     Raises:
-        ValueError: naming the field: ``prompt`` empty or of the wrong type, a token id outside the
-            vocabulary (prompt or ``logit_bias``), a prompt of ``max_model_len`` tokens or more
-            (more only, with ``max_tokens=0``),
-            bad ``sampling_params``, a ``structured_outputs`` constraint that does not compile
-            (or any constraint when ``grammar_compiler`` is None).
-
-    ``grammar_compiler`` (:class:`~replica.sample.grammar.GrammarCompiler`) compiles the
-    constraint here, in the caller's thread: never on the engine loop.
+        ValueError: naming the field: ``prompt`` empty or of the wrong type, bad
+            ``sampling_params``; :class:`~replica.protocol.errors.RequestError` (a ``ValueError``):
+            an empty prompt, a token id outside the vocabulary (prompt, ``logit_bias``,
+            ``stop_token_ids``), a prompt of ``max_model_len`` tokens or more (more only, when it
+            scores the prompt only); what :func:`compile_grammar` raises.
     """
     params = sampling_params if sampling_params is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    params.validate()
-    if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise ValueError(f"logit_bias holds token id {max(params.logit_bias)}, outside the vocabulary [0, {vocab_size})")
+    if isinstance(params, SamplingParams):
+        params.validate()
+    param = "prompt_token_ids" if prompt_token_ids is not None else "prompt"
     if prompt_token_ids is None:
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt must not be empty")
         prompt_token_ids = tokenizer.encode(prompt, add_special_tokens=True)
-    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
-        raise ValueError("prompt_token_ids must be a non-empty list of token ids")
-    prompt_token_ids = list(prompt_token_ids)
-    for token_id in prompt_token_ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-            raise ValueError(f"prompt_token_ids holds {token_id!r}, outside the vocabulary [0, {vocab_size})")
-    room = max_model_len if params.max_tokens == 0 else max_model_len - 1  # scoring only needs no output slot
-    if len(prompt_token_ids) > room:
-        raise ValueError(
-            f"prompt is {len(prompt_token_ids)} tokens; max_model_len is {max_model_len} "
-            "(prompt + output tokens), so the prompt must be shorter"
-        )
-    grammar = None
-    if params.structured_outputs is not None:
-        if grammar_compiler is None:
-            raise ValueError("structured_outputs: this engine has no grammar compiler")
-        grammar = grammar_compiler.compile(params.structured_outputs)
+    check_request(prompt_token_ids, params, ModelLimits(vocab_size, max_model_len), param=param)
+    return _request(request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids, grammar_compiler)
+
+
+def request_from_envelope(
+    envelope: RequestEnvelope,
+    *,
+    max_model_len: int,
+    eos_token_ids: tuple[int, ...],
+    grammar_compiler: Any = None,
+    lora: EngineLoRA | None = None,
+    scheduling_policy: str = "fcfs",
+) -> Request:
+    """The :class:`Request` of an envelope the ingress built (and checked against the replicas'
+    ``model_info``). Trusted: only what this engine alone knows is checked again: its adapters
+    (the envelope's adapter is resolved here, once: read from its folder unless ``lora`` holds it
+    in host memory) and its own ``max_model_len``
+    (:func:`~replica.protocol.request_checks.check_prompt_fits`, the ingress's rule and message),
+    and its ``priority`` against this engine's ``scheduling_policy``
+    (:func:`~replica.protocol.request_checks.check_priority`); the constraint is compiled for this
+    engine's tokenizer. Arrival: now.
+
+    Raises:
+        replica.protocol.errors.LoRAAdapterError: the adapter cannot be used, or ``lora`` is None.
+        replica.protocol.errors.RequestError: the prompt does not fit this engine's ``max_model_len``;
+            a nonzero ``priority`` under ``"fcfs"``.
+        ValueError: what :func:`compile_grammar` raises.
+    """
+    priority = check_priority(envelope.priority, scheduling_policy)
+    adapter = check_lora_request(lora, envelope.lora_request)
+    params = envelope.sampling_params
+    check_prompt_fits(len(envelope.prompt_token_ids), max_model_len, params.scores_prompt_only)
+    request = _request(envelope.request_id, list(envelope.prompt_token_ids), params, None, eos_token_ids, grammar_compiler)
+    request.lora = adapter
+    request.priority = priority
+    return request
+
+
+def compile_grammar(params: SamplingParams, grammar_compiler: Any) -> Any:
+    """The request's :class:`~replica.sample.grammar.Grammar` (None without ``structured_outputs``),
+    compiled in the caller's thread: never on the engine loop.
+
+    Raises:
+        ValueError: the constraint does not compile for this tokenizer, or the engine has no
+            ``grammar_compiler``.
+    """
+    if params.structured_outputs is None:
+        return None
+    if grammar_compiler is None:
+        raise ValueError("structured_outputs: this engine has no grammar compiler")
+    return grammar_compiler.compile(params.structured_outputs)
+
+
+def _request(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None,
+    eos_token_ids: tuple[int, ...], grammar_compiler: Any,
+) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt_token_ids,
         sampling_params=params,
         eos_token_ids=eos_token_ids,
         arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        grammar=grammar,
+        grammar=compile_grammar(params, grammar_compiler),
     )

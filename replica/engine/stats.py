@@ -1,17 +1,22 @@
-"""A snapshot of an engine's load: what the router, the metrics and the health check read."""
+"""What an engine reports about itself, as plain immutable data: :class:`EngineStats` (a snapshot
+of its load: what the router, the metrics and the health check read), :class:`StepRecord` (one
+step, for step observers such as the benchmarks) and :class:`EngineInfo` (its settings as they
+took effect: dtype, device, KV blocks, async scheduling, CUDA graphs). Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from replica.core.waiting_queue import priority_counts
 from replica.spec_decode.stats import SpecDecodeStats
 
-__all__ = ["EngineStats", "SpecDecodeStats"]
+__all__ = ["EngineInfo", "EngineStats", "SpecDecodeStats", "StepRecord", "StepRow"]
 
 if TYPE_CHECKING:
     from replica.core.block_manager import BlockManager
     from replica.core.scheduler import Scheduler
+    from replica.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,9 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_cached_blocks: int = 0  # blocks in the prefix cache now (owned or free)
     head_waiting_since: float | None = None  # arrival (time.monotonic()) of the next request to admit; None: none waits
+    # Priority scheduling policy only (else empty): ((priority, running + waiting requests), ...),
+    # lowest value first, at most 16 pairs (replica.core.waiting_queue.priority_counts).
+    priority_counts: tuple[tuple[int, int], ...] = ()
 
     def queue_wait_s(self, now: float) -> float:
         """How long (seconds) the head of the waiting queue has waited for a seat at ``now``
@@ -59,5 +67,126 @@ class EngineStats:
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=block_manager.num_cached_blocks,
             head_waiting_since=scheduler.waiting[0].arrival_time if scheduler.waiting else None,
+            priority_counts=priority_counts(scheduler.requests.values()) if scheduler.scheduling_policy == "priority" else (),
         )
 
+
+@dataclass(frozen=True)
+class StepRow:
+    """One request's row of a step: the step computes tokens ``[start, start + num_tokens)`` of
+    the request (its prompt, then its output), drafts to verify included.
+
+    ``start`` of a request's first row is how many of its prompt tokens the prefix cache held.
+    ``is_prefill``: the row computes prompt tokens (``start`` below the prompt's length: a new
+    request, a chunk of a long prompt, or a preempted request computing its prompt again); else
+    it is a decode row. ``is_padding`` (static policy only): the row of a finished batch member,
+    computed as a padded static batch would and thrown away.
+    """
+
+    request_id: str
+    start: int
+    num_tokens: int
+    is_prefill: bool
+    is_padding: bool = False
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step that scheduled work, as :meth:`LLMEngine.add_step_observer
+    <replica.engine.llm_engine.LLMEngine.add_step_observer>`'s callbacks receive it: plain data,
+    immutable, no engine objects (requests are named by id).
+
+    * ``step``: the step's number: the ``n``-th step of the engine's current scheduler that
+      scheduled at least one row (:attr:`EngineStats.num_steps` after it);
+    * ``rows``: the scheduled rows, in the forward's order;
+    * ``running``: ids of the requests holding a seat after the step (the ones it finished have
+      left), oldest admission first;
+    * ``preempted``: ids of the requests preempted to make room for this step (back to waiting,
+      their blocks freed);
+    * ``num_free_blocks``, ``num_total_blocks``: the KV pool after the step, in blocks;
+    * ``started``: ``time.monotonic()`` when ``step()`` began; ``duration_s``: seconds until the
+      record was made (schedule, forward, sampling, update, detokenizing).
+
+    With async scheduling a ``step()`` call schedules and launches this step and finishes the
+    previous one: its rows' tokens come out of the next call.
+    """
+
+    step: int
+    rows: tuple[StepRow, ...]
+    running: tuple[str, ...]
+    preempted: tuple[str, ...]
+    num_free_blocks: int
+    num_total_blocks: int
+    started: float
+    duration_s: float
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens the step's forward computed (every row's, padding included)."""
+        return sum(row.num_tokens for row in self.rows)
+
+    @property
+    def num_prefill_rows(self) -> int:
+        return sum(row.is_prefill and not row.is_padding for row in self.rows)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """Decode rows, padding rows left out."""
+        return sum(not row.is_prefill and not row.is_padding for row in self.rows)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @classmethod
+    def of(
+        cls, out: SchedulerOutput, scheduler: Scheduler, block_manager: BlockManager, started: float, now: float
+    ) -> "StepRecord":
+        """The record of ``out`` (just run by ``scheduler``'s engine) at ``now`` (``time.monotonic()``)."""
+        return cls(
+            step=out.step,
+            rows=tuple(
+                StepRow(s.request.request_id, s.start, s.num_new_tokens, s.start < s.request.num_prompt_tokens, s.is_padding)
+                for s in out.scheduled
+            ),
+            running=tuple(r.request_id for r in scheduler.running),
+            preempted=tuple(r.request_id for r in out.preempted),
+            num_free_blocks=block_manager.num_free_blocks,
+            num_total_blocks=block_manager.num_blocks,
+            started=started,
+            duration_s=now - started,
+        )
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine is and how it runs, as :meth:`LLMEngine.info
+    <replica.engine.llm_engine.LLMEngine.info>` reports it now.
+
+    ``model``: as configured (``EngineConfig.model``); ``model_path``: the local folder it was
+    loaded from; ``dtype``: the weights' and KV cache's dtype by name (``"bfloat16"``,
+    ``"float32"``); ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; ``block_size``: tokens
+    per KV block; ``num_blocks``: KV blocks in the pool; ``max_model_len``: tokens per request
+    (prompt and output); ``max_num_seqs``: seats; ``max_num_batched_tokens``: a step's token
+    budget; ``batching_policy``: ``"continuous"`` or ``"static"``, ``scheduling_policy``: ``"fcfs"``
+    or ``"priority"`` (both may change on an idle engine); ``async_scheduling``: whether steps
+    overlap under that policy; ``cuda_graphs``: whether decode steps replay captured CUDA graphs; ``speculative_config``: the speculative
+    decoding settings as a dict of their fields, or None.
+    """
+
+    model: str
+    model_path: str
+    dtype: str
+    device: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: str
+    batching_policy: str
+    async_scheduling: bool
+    cuda_graphs: bool
+    enable_prefix_caching: bool
+    tensor_parallel_size: int
+    speculative_config: dict | None = None

@@ -1,6 +1,8 @@
 """Errors a replica's engine raises to the callers of a request (torch-free, so that the HTTP
 ingress can tell them apart without importing the engine)."""
 
+from __future__ import annotations
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; the replica must be restarted."""
@@ -24,3 +26,19 @@ class LoRAAdapterError(ValueError):
     exceeds ``max_lora_rank``, its target modules or shapes do not fit the base model, its path is
     outside the allowed directories, or LoRA is not enabled (the ingress answers 400, naming the
     reason)."""
+
+
+class RequestError(ValueError):
+    """A request the model cannot run as given (:mod:`replica.protocol.request_checks`): a token
+    id outside the vocabulary, a prompt too long for ``max_model_len``. The message starts with
+    the field at fault; ``param`` names it and ``code`` is OpenAI's error code
+    (``invalid_value``, ``context_length_exceeded``), so that the ingress answers the same 400
+    whichever side found it."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+    def __reduce__(self):  # the replica's error crosses to the ingress by pickle, attributes included
+        return (type(self), (str(self), self.param, self.code))

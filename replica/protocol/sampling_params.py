@@ -10,8 +10,18 @@ from replica.protocol.constraints import StructuredOutputsParams
 
 # Most entries a ``logit_bias`` may hold (OpenAI documents no cap; this bounds the work per request).
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Output tokens of a request that does not say (vLLM's and OpenAI's completions default).
+DEFAULT_MAX_TOKENS = 16
 # Range of a ``logit_bias`` value (OpenAI's): -100 effectively bans the token, 100 forces it.
 LOGIT_BIAS_LIMIT = 100.0
+
+
+def scores_prompt_only(max_tokens: int | None) -> bool:
+    """Whether a request of ``max_tokens`` output tokens only scores its prompt: 0 generates
+    nothing; the prompt is prefilled, its ``prompt_logprobs`` computed, and the request ends with
+    ``length`` (None: the default, which generates). What :attr:`SamplingParams.scores_prompt_only`
+    says of built parameters, for a body whose parameters are not built yet."""
+    return max_tokens == 0
 
 
 @dataclass
@@ -57,7 +67,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
@@ -81,6 +91,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """The request only scores its prompt (``max_tokens`` 0): its prefill ends it, nothing is
+        sampled, and a prompt of ``max_model_len`` tokens fits (:func:`scores_prompt_only`)."""
+        return scores_prompt_only(self.max_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,6 @@
 """The delta channel's wire format: one frame per engine step, a 4-byte big-endian length then a pickled
 ``list[tuple[request_id, EngineOutput | Exception]]`` (:mod:`replica.serve.delta_channel` writes frames,
-``router/delta_receiver.py`` reads them). Plain Python, no torch or Ray.
+``router/dispatch/delta_receiver.py`` reads them). Plain Python, no torch or Ray.
 """
 
 from __future__ import annotations

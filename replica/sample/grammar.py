@@ -187,16 +187,16 @@ def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.devic
 
 
 def apply_grammar_masks(
-    logits: torch.Tensor, requests: Sequence[Any], banned: Callable[[Any], Sequence[int]]
+    logits: torch.Tensor, grammars: Sequence[Grammar | None], banned: Callable[[int], Sequence[int]]
 ) -> list[int]:
     """Set the logits of every token a row's constraint forbids to ``-inf``; in place.
 
     Args:
-        logits: ``[num_rows, V]`` float; row ``i`` belongs to ``requests[i]``. Rows whose request
-            has no ``grammar`` are not touched.
-        requests: the rows' requests (``request.grammar``: a :class:`Grammar` or None).
-        banned: ``banned(request)``: the token ids already at ``-inf`` in its row (the sampler
-            passes :func:`~replica.sample.logits_processors.min_tokens_banned`).
+        logits: ``[num_rows, V]`` float; row ``i``'s constraint is ``grammars[i]``. Rows without
+            one (None) are not touched.
+        grammars: the rows' constraints (:class:`Grammar` or None; ``SamplingMetadata.grammars``).
+        banned: ``banned(i)``: the token ids already at ``-inf`` in row ``i`` (the sampler passes
+            :meth:`~replica.sample.metadata.SamplingMetadata.min_tokens_banned`).
     Returns:
         The constrained rows, in order. A row whose constraint allows only banned tokens has no
         token left to sample: it marks its grammar
@@ -208,7 +208,7 @@ def apply_grammar_masks(
     :func:`forbidden_tokens`, not with ``llguidance.torch.apply_token_bitmask_inplace``, which is
     a ``torch.compile`` kernel: its first call compiles for seconds inside an engine step.
     """
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return rows
     import numpy as np
@@ -218,9 +218,9 @@ def apply_grammar_masks(
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
     words = bitmask.numpy().view(np.uint32)
     for k, i in enumerate(rows):
-        requests[i].grammar.fill_bitmask(bitmask, k)
-        if not _allows_any(words[k], vocab, banned(requests[i])):
-            requests[i].grammar.dead_end = True
+        grammars[i].fill_bitmask(bitmask, k)
+        if not _allows_any(words[k], vocab, banned(i)):
+            grammars[i].dead_end = True
     forbidden = forbidden_tokens(bitmask, vocab, logits.device)
     if len(rows) == logits.shape[0]:
         masked = logits.masked_fill_(forbidden, float("-inf"))

@@ -1,5 +1,6 @@
 """Logits processors: the steps of the sampling pipeline (``replica/sample/sampler.py``) that change a
-batch's logits before a token is drawn, vectorized over the rows that ask for them.
+batch's logits before a token is drawn, vectorized over the rows that ask for them. Each reads its
+rows' settings from the step's :class:`~replica.sample.metadata.SamplingMetadata`.
 
 * :func:`apply_logit_bias`: OpenAI's ``logit_bias`` ``{token id: bias}``, one ``index_put_`` over
   all (row, token) pairs; -100 effectively bans a token, 100 forces it (vLLM applies it first too).
@@ -16,55 +17,50 @@ Python loops run over rows only, never over the vocabulary.
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import Sequence
 
+import numpy as np
 import torch
 
-from replica.core.request import Request
+from replica.sample.metadata import SamplingMetadata
 
-__all__ = ["apply_logit_bias", "apply_penalties", "apply_min_tokens", "min_tokens_banned", "apply_top_k_top_p", "apply_min_p", "needs_penalties"]
-
-
-def needs_penalties(request: Request) -> bool:
-    """Whether a request asks for a repetition, presence or frequency penalty."""
-    p = request.sampling_params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+__all__ = ["apply_logit_bias", "apply_penalties", "apply_min_tokens", "apply_top_k_top_p", "apply_min_p"]
 
 
-def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Add each row's ``sampling_params.logit_bias`` (``{token id: bias}``) to its logits; in place.
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host NumPy array as a tensor on ``device`` (no copy on CPU)."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Add each row's logit bias (``metadata.logit_bias``) to its logits; in place.
 
     Args:
-        logits: ``[num_rows, V]`` float tensor; row ``i`` belongs to ``requests[i]``. Only the
+        logits: ``[num_rows, V]`` float tensor; row ``i`` is ``metadata``'s row ``i``. Only the
             (row, token) pairs named by a bias change; rows without one are left as they are.
-        requests: the rows' requests. Token ids must be ``< V`` (the engine refuses others).
+        metadata: the rows' settings. Token ids must be ``< V`` (the engine refuses others).
     """
-    row_ids: list[int] = []
-    token_ids: list[int] = []
-    biases: list[float] = []
-    for i, r in enumerate(requests):
-        bias = r.sampling_params.logit_bias
-        if bias:
-            row_ids.extend([i] * len(bias))
-            token_ids.extend(bias.keys())
-            biases.extend(bias.values())
-    if row_ids:
-        device = logits.device
-        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, dtype=torch.long, device=device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+    rows = np.flatnonzero(metadata.has_bias).tolist()
+    if not rows:
+        return logits
+    biases = [metadata.logit_bias[i] for i in rows]
+    row_ids = np.repeat(np.asarray(rows, dtype=np.int64), [len(b.token_ids) for b in biases])
+    token_ids = np.concatenate([b.token_ids for b in biases])
+    values = np.concatenate([b.biases for b in biases])
+    device = logits.device
+    index = (_tensor(row_ids, device), _tensor(token_ids, device))
+    logits.index_put_(index, _tensor(values, device).to(logits.dtype), accumulate=True)
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Apply repetition, frequency and presence penalties in place; return ``logits``.
 
     Args:
-        logits: ``[num_rows, V]`` float tensor; row ``i`` belongs to ``requests[i]``. Modified in
-            place (only the rows whose request has a penalty set).
-        requests: the rows' requests; ``prompt_token_ids`` and ``output_token_ids`` (tokens
-            generated before this step) are read.
+        logits: ``[num_rows, V]`` float tensor; row ``i`` is ``metadata``'s row ``i``. Modified in
+            place (only the rows with a penalty set, ``metadata.penalized``).
+        metadata: the rows' penalties, ``prompt_token_ids`` and ``output_token_ids`` (tokens
+            generated before this step).
 
     Semantics per penalized row, in this order (as vLLM):
         * repetition (CTRL / HF): for every token in prompt + output,
@@ -72,38 +68,38 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         * frequency / presence (OpenAI): ``logit -= f * count + p * (count > 0)``, where
           ``count[t]`` is how often ``t`` occurs in the *output* tokens.
     """
-    rows = [i for i, r in enumerate(requests) if needs_penalties(r)]
-    if not rows:
+    rows = np.flatnonzero(metadata.penalized)
+    if not len(rows):
         return logits
     vocab = logits.shape[-1]
     device = logits.device
-    reqs = [requests[i] for i in rows]
-    row_index = torch.tensor(rows, device=device)
+    row_index = _tensor(rows, device)
     sub = logits.index_select(0, row_index)  # [n, V]
-    n = len(reqs)
+    n = len(rows)
+    outputs = [np.asarray(metadata.output_token_ids[i], dtype=np.int64) for i in rows.tolist()]
 
-    def occurrences(token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def occurrences(token_lists: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) index pairs of all tokens in ``token_lists``, flattened."""
-        lengths = torch.tensor([len(t) for t in token_lists], device=device)
-        rows_ = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-        tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
-        return rows_, tokens
+        row_ids = np.repeat(np.arange(n, dtype=np.int64), [len(t) for t in token_lists])
+        tokens = np.concatenate(token_lists) if token_lists else np.zeros(0, dtype=np.int64)
+        return _tensor(row_ids, device), _tensor(tokens.astype(np.int64, copy=False), device)
 
     # Repetition penalty over prompt + output tokens (rows with r == 1 are left as they are).
-    rep = torch.tensor([r.sampling_params.repetition_penalty for r in reqs], device=device)
+    rep = _tensor(metadata.repetition_penalty[rows], device)
     if bool((rep != 1.0).any()):
         seen = torch.zeros(n, vocab, dtype=torch.bool, device=device)
-        seen[occurrences([r.prompt_token_ids + r.output_token_ids for r in reqs])] = True
+        prompts = [metadata.prompt_token_ids[i] for i in rows.tolist()]
+        seen[occurrences([np.concatenate([p, o]) for p, o in zip(prompts, outputs)])] = True
         r_col = rep.unsqueeze(1)
         penalized = torch.where(sub > 0, sub / r_col, sub * r_col)
         sub = torch.where(seen, penalized, sub)
 
     # Frequency and presence penalties over output tokens only.
-    freq = torch.tensor([r.sampling_params.frequency_penalty for r in reqs], device=device)
-    pres = torch.tensor([r.sampling_params.presence_penalty for r in reqs], device=device)
+    freq = _tensor(metadata.frequency_penalty[rows], device)
+    pres = _tensor(metadata.presence_penalty[rows], device)
     if bool((freq != 0).any() or (pres != 0).any()):
         counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
-        row_ids, token_ids = occurrences([r.output_token_ids for r in reqs])
+        row_ids, token_ids = occurrences(outputs)
         counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=torch.float32), accumulate=True)
         sub = sub - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).float()
 
@@ -111,32 +107,20 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     return logits
 
 
-def min_tokens_banned(request: Request, vocab_size: int) -> list[int]:
-    """The token ids :func:`apply_min_tokens` sets to ``-inf`` for ``request`` this step (ids
-    below ``vocab_size``): its ``stop_token_ids``, and its EOS ids unless ``ignore_eos``, while it
-    has fewer than ``min_tokens`` output tokens; else none."""
-    p = request.sampling_params
-    if len(request.output_token_ids) >= p.min_tokens:
-        return []
-    banned = set(p.stop_token_ids or ())
-    if not p.ignore_eos:
-        banned.update(request.eos_token_ids)
-    return [t for t in banned if t < vocab_size]
-
-
-def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Mask EOS and stop token ids to ``-inf`` while ``len(output) < min_tokens``; in place.
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata, below: np.ndarray | None = None) -> torch.Tensor:
+    """Mask each row's end ids (EOS unless ``ignore_eos``, and ``stop_token_ids``:
+    ``metadata.end_ids``) to ``-inf`` while it has fewer output tokens than ``min_tokens``; in place.
 
     Args:
-        logits: ``[num_rows, V]``; row ``i`` belongs to ``requests[i]``.
-    EOS ids (``request.eos_token_ids``) are not masked when ``ignore_eos`` is set (they cannot end
-    the request anyway); ``stop_token_ids`` always are.
+        logits: ``[num_rows, V]``; row ``i`` is ``metadata``'s row ``i``.
+        below: ``[num_rows]`` bool, :meth:`SamplingMetadata.below_min_tokens` when the caller has it.
     """
+    below = metadata.below_min_tokens() if below is None else below
     row_ids: list[int] = []
     token_ids: list[int] = []
     vocab = logits.shape[-1]
-    for i, r in enumerate(requests):
-        banned = min_tokens_banned(r, vocab)
+    for i in np.flatnonzero(below).tolist():
+        banned = metadata.min_tokens_banned(i, vocab, True)
         row_ids.extend([i] * len(banned))
         token_ids.extend(banned)
     if row_ids:

@@ -14,7 +14,8 @@ the residual) is the row's last token. So a request consumes its random numbers 
 tokens with speculation on or off.
 
 Position ``j`` of a row is sampled with the request's state after its first ``j`` accepted tokens
-(penalties and ``min_tokens`` see them, a structured-output constraint has consumed them), by the
+(penalties and ``min_tokens`` see them, a structured-output constraint has consumed them and gives
+them back at the end), from the rows' :class:`~replica.sample.metadata.SamplingMetadata`, by the
 same :class:`~replica.sample.sampler.Sampler` as any other step; a greedy row's tokens are the
 argmax of each position. Verification stops at a token that may end the request (EOS, a stop
 token, a completed constraint): the scheduler's stop checks decide from there.
@@ -26,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from replica.core.request import Request
 from replica.protocol.outputs import TokenLogprobs
-from replica.sample.sampler import Sampler, greedy_argmax, is_plain_greedy
+from replica.sample.metadata import SamplingMetadata
+from replica.sample.sampler import Sampler, greedy_argmax
 
 
 def accept_draft(sampled: int, draft: int) -> bool:
@@ -37,21 +38,22 @@ def accept_draft(sampled: int, draft: int) -> bool:
 
 
 def verify(
-    sampler: Sampler, logits: Sequence[torch.Tensor], requests: Sequence[Request], drafts: Sequence[Sequence[int]]
+    sampler: Sampler, logits: Sequence[torch.Tensor], metadata: SamplingMetadata, drafts: Sequence[Sequence[int]]
 ) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
-    """Verify each request's drafts.
+    """Verify each row's drafts.
 
     Args:
         sampler: the step's sampler.
-        logits: per request ``[k_i + 1, V]``: row ``j < k_i`` scores draft ``j``, row ``k_i`` the
+        logits: per row ``[k_i + 1, V]``: row ``j < k_i`` scores draft ``j``, row ``k_i`` the
             token after the last draft.
-        requests: the rows' requests (state before this step's tokens; left as found).
-        drafts: per request its ``k_i`` drafted token ids.
+        metadata: one row per request, its state before this step's tokens (its output tokens are
+            not changed; its constraint is left as found, but for a dead end met at position 0).
+        drafts: per row its ``k_i`` drafted token ids.
     Returns:
-        Per request ``(tokens, logprobs)``: its accepted drafts then one more token (``1`` to
+        Per row ``(tokens, logprobs)``: its accepted drafts then one more token (``1`` to
         ``k_i + 1`` tokens), and each token's logprobs entry (None unless asked for).
     """
-    if all(is_plain_greedy(r) for r in requests):
+    if metadata.plain_greedy().all():
         flat = greedy_argmax(torch.cat(list(logits))).tolist()
         results, offset = [], 0
         for block, draft in zip(logits, drafts):
@@ -62,32 +64,33 @@ def verify(
                 n += 1
             results.append((list(draft[:n]) + [best[n]], [None] * (n + 1)))
         return results
-    return _verify_in_order(sampler, logits, requests, drafts)
+    return _verify_in_order(sampler, logits, metadata, drafts)
 
 
-def _ends_request(request: Request, token: int) -> bool:
-    params = request.sampling_params
-    return (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids
-
-
-def _verify_in_order(sampler, logits, requests, drafts) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
+def _verify_in_order(
+    sampler: Sampler, logits: Sequence[torch.Tensor], metadata: SamplingMetadata, drafts: Sequence[Sequence[int]]
+) -> list[tuple[list[int], list[TokenLogprobs | None]]]:
     """Position by position, each a batched :class:`Sampler` call over the rows still accepting,
-    with the accepted tokens appended to their requests (and consumed by their constraints) until
-    the end, when both are undone."""
-    tokens: list[list[int]] = [[] for _ in requests]
-    logprobs: list[list[TokenLogprobs | None]] = [[] for _ in requests]
-    appended = [0] * len(requests)  # accepted tokens on output_token_ids, and on the constraint
-    dead_ends = [r.grammar.dead_end if r.grammar is not None else False for r in requests]  # restored after
-    active = list(range(len(requests)))
+    with the accepted tokens appended to copies of their output tokens (and consumed by their
+    constraints) until the end, when the constraints are rolled back."""
+    num_rows = metadata.num_rows
+    tokens: list[list[int]] = [[] for _ in range(num_rows)]
+    logprobs: list[list[TokenLogprobs | None]] = [[] for _ in range(num_rows)]
+    outputs = [list(o) for o in metadata.output_token_ids]  # with the accepted drafts so far
+    grammars = metadata.grammars
+    appended = [0] * num_rows  # accepted tokens on outputs, and on the constraint
+    dead_ends = [g.dead_end if g is not None else False for g in grammars]  # restored after
+    active = list(range(num_rows))
     try:
         for j in range(max(len(d) for d in drafts) + 1):
             if not active:
                 break
-            out = sampler(torch.stack([logits[i][j] for i in active]), [requests[i] for i in active])
+            rows = metadata.select(active).with_outputs([outputs[i] for i in active])
+            out = sampler(torch.stack([logits[i][j] for i in active]), rows)
             still = []
             for i, token, lp in zip(active, out.token_ids, out.logprobs):
-                request, draft = requests[i], drafts[i]
-                if request.grammar is not None and request.grammar.dead_end:  # no token allowed here
+                draft, grammar = drafts[i], grammars[i]
+                if grammar is not None and grammar.dead_end:  # no token allowed here
                     if j == 0:  # the scheduler ends the request on this token, as without drafts
                         dead_ends[i] = True
                         tokens[i].append(token)
@@ -98,20 +101,17 @@ def _verify_in_order(sampler, logits, requests, drafts) -> list[tuple[list[int],
                 accepted = j < len(draft) and accept_draft(token, draft[j])
                 tokens[i].append(draft[j] if accepted else token)
                 logprobs[i].append(lp)
-                if not accepted or _ends_request(request, draft[j]):
+                if not accepted or draft[j] in metadata.end_ids[i]:  # a token that may end the request
                     continue
-                grammar = request.grammar
                 if grammar is not None and not (grammar.accept(draft[j]) and not grammar.is_finished):
                     grammar.rollback(1, dead_ends[i])  # the constraint ends here: the scheduler decides
                     continue
-                request.output_token_ids.append(draft[j])
+                outputs[i].append(draft[j])
                 appended[i] += 1
                 still.append(i)
             active = still
     finally:
-        for request, n, dead_end in zip(requests, appended, dead_ends):
-            if n:
-                del request.output_token_ids[-n:]
-            if request.grammar is not None:
-                request.grammar.rollback(n, dead_end)
+        for grammar, n, dead_end in zip(grammars, appended, dead_ends):
+            if grammar is not None:
+                grammar.rollback(n, dead_end)
     return list(zip(tokens, logprobs))

@@ -8,7 +8,7 @@ replica, that is 30 items per step; here it is one message of 30 deltas, pickled
 with one ``send``. vLLM's API server and engine core talk the same way (one ZeroMQ message per
 step with every request's outputs).
 
-Protocol (``router/delta_receiver.py`` is the other end): the ingress opens a TCP connection to
+Protocol (``router/dispatch/delta_receiver.py`` is the other end): the ingress opens a TCP connection to
 the address the replica gave when it admitted the request, and sends its key (32 hex characters,
 random per ingress replica) and a newline. From then on the replica writes frames: a 4-byte
 big-endian length, then a pickled ``list[tuple[request_id, EngineOutput | Exception]]``. Nothing

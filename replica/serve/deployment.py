@@ -1,7 +1,8 @@
 """The Serve replica: one :class:`~replica.engine.async_engine.AsyncLLMEngine` behind a Ray Serve deployment.
 
 The ingress (``router/ingress.py``) tokenizes and validates; it calls :meth:`LLMReplica.generate`
-through a ``DeploymentHandle`` with ``stream=True``. The engine's
+through a ``DeploymentHandle`` with ``stream=True`` and one request's
+:class:`~replica.protocol.envelope.RequestEnvelope` as the keyword ``request``. The engine's
 :class:`~replica.core.request.EngineOutput` deltas go back over this replica's batched-delta server
 (``replica/serve/delta_channel.py``: one frame per engine step for all of an ingress's requests), or
 as the call's own stream items. When the ingress cancels the stream (its
@@ -11,11 +12,11 @@ KV blocks are free before the next engine step.
 The request router (``router/routing/policy.py``) ranks replicas by what :meth:`record_routing_stats`
 reports; Serve's controller polls it every ``request_routing_stats_period_s``.
 
-LoRA (``enable_lora``): a request may carry a ``LoRARequest``; the engine reads that adapter's
-files the first time it sees it. This class checks an adapter once, off the event loop
-(:meth:`LLMReplica.check_lora` in a worker thread), before the first request that names it is
-admitted, so a bad adapter is the caller's error before anything streams, and no file is read on
-the event loop. The engine's LoRA state reaches Prometheus when ``/metrics`` is scraped
+LoRA (``enable_lora``): a request's envelope may name a ``LoRARequest``; the engine reads that
+adapter's files the first time it sees it. The adapter is resolved once per request, before the
+request is admitted (:meth:`AsyncLLMEngine.make_request <replica.engine.async_engine.AsyncLLMEngine.make_request>`;
+in a worker thread only when its files must be read), so a bad adapter is the caller's error
+before anything streams, and no file is read on the event loop. The engine's LoRA state reaches Prometheus when ``/metrics`` is scraped
 (:meth:`LLMReplica.metrics_text`).
 
 All engine state lives on the engine's loop thread; this class only reads the engine's stats
@@ -33,10 +34,10 @@ from contextlib import aclosing
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
+from replica.protocol.envelope import RequestEnvelope
 from replica.protocol.errors import ReplicaOverloadedError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
-from replica.protocol.sampling_params import SamplingParams
 from replica.serve.delta_channel import DeltaChannels
 from replica.serve.logs import log_refusals_in_one_line, log_through_serve
 from replica.serve.replica_info import node_ip, replica_id
@@ -96,15 +97,17 @@ class LLMReplica:
     # ---- requests ----------------------------------------------------------------------------
     async def generate(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        request: RequestEnvelope,
         announce: bool = False,
         channel: str | None = None,
-        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineOutput | tuple[str, int] | None]:
-        """Run one request (``n`` must be 1; the ingress fans ``n`` out) and yield its deltas;
-        with ``lora_request``, under that LoRA adapter (keyword: the request router reads it).
+        """Run one request (its :class:`~replica.protocol.envelope.RequestEnvelope`, ``n`` 1: the
+        ingress fans ``n`` out; under its LoRA adapter if it names one) and yield its deltas. The
+        ingress passes ``request`` by keyword (:data:`~replica.protocol.envelope.ENVELOPE_KEYWORD`):
+        the request router reads its routing hints there. The envelope is trusted; its adapter is
+        resolved and its prompt checked against this engine's ``max_model_len``
+        (:meth:`AsyncLLMEngine.make_request <replica.engine.async_engine.AsyncLLMEngine.make_request>`)
+        before the admission, so that a refusal comes before a stream's response starts.
 
         With ``announce``, the first item is ``None`` as soon as the request is admitted, so that a
         streaming caller learns of a refusal before it starts its response.
@@ -121,8 +124,9 @@ class LLMReplica:
                 max_waiting_requests`` requests; nothing is queued.
             replica.protocol.errors.LoRAAdapterError: the adapter cannot be used (or LoRA is
                 off); nothing is queued, nothing was yielded.
-            ValueError: the request cannot be served (token outside the vocabulary, prompt
-                not shorter than ``max_model_len``, bad sampling parameter); nothing is queued.
+            ValueError: the request cannot be served (a prompt too long for this engine's
+                ``max_model_len``: ``RequestError``; a constraint that does not compile for its
+                tokenizer; a request id in use); nothing is queued.
             replica.protocol.errors.RequestFailedError: an internal error ended this request
                 (the engine goes on serving the others).
             replica.protocol.errors.RequestAbortedError: the server ended it (shutting down).
@@ -138,20 +142,15 @@ class LLMReplica:
         self._inflight += 1
         self._num_requests += 1
         try:
-            lora = {}
-            if lora_request is not None:
-                await self._check_lora_once(lora_request)
-                lora = {"lora_request": lora_request}
+            prepared = await self.engine.make_request(request)
+            request_id = prepared.request_id
             if channel is not None and announce:
                 address = await self.channels.address()
                 sink = self.channels.acquire(channel, request_id)
                 try:
                     yield address
                     try:
-                        await self.engine.run(
-                            request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params,
-                            on_output=lambda delta: sink.put(request_id, delta), **lora,
-                        )
+                        await self.engine.run(prepared, on_output=lambda delta: sink.put(request_id, delta))
                     except Exception as exc:  # ends this request: its ingress learns it in order
                         sink.put(request_id, exc)
                 finally:
@@ -162,9 +161,7 @@ class LLMReplica:
             # aclosing: when Serve closes this generator while it waits at a yield (the client
             # went away), engine.generate is closed at once, which queues the engine's abort,
             # rather than whenever the event loop finalizes it.
-            async with aclosing(
-                self.engine.generate(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params, **lora)
-            ) as deltas:
+            async with aclosing(self.engine.generate(prepared)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:
@@ -176,21 +173,18 @@ class LLMReplica:
         for request_id in request_ids:
             self.engine.abort(request_id)
 
-    async def generate_all(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-        lora_request: LoRARequest | None = None,
-    ) -> EngineOutput:
-        """Run one request to the end and return its whole output as one :class:`EngineOutput`
-        (all tokens, text and logprobs; ``finished=True``); ``lora_request`` as in :meth:`generate`.
+    async def generate_all(self, request: RequestEnvelope) -> EngineOutput:
+        """Run one request (an envelope, by keyword, as in :meth:`generate`) to the end and return
+        its whole output as one :class:`EngineOutput` (all tokens, text and logprobs; ``finished=True``).
 
         For non-streaming callers: one message per request instead of one per token. Errors as
         :meth:`generate`; cancelling the call aborts the request.
         """
         whole: EngineOutput | None = None
-        async for delta in self.generate(request_id, prompt_token_ids, sampling_params, lora_request=lora_request):
+        async for delta in self.generate(request):
             whole = delta if whole is None else whole.merged(delta)
         assert whole is not None and whole.finished
-        if sampling_params.logprobs is not None and whole.new_logprobs is None:
+        if request.sampling_params.logprobs is not None and whole.new_logprobs is None:
             whole.new_logprobs = []
         return whole
 
@@ -205,13 +199,6 @@ class LLMReplica:
                 base model, LoRA off); the message names the reason.
         """
         return await asyncio.to_thread(self.engine.check_lora, lora_request)
-
-    async def _check_lora_once(self, lora_request: LoRARequest) -> None:
-        """:meth:`check_lora` unless the adapter (name, folder) is in the engine's host memory, so
-        that its files are read off the event loop and a refusal (files gone since, say) comes
-        before admission, before a stream's response starts."""
-        if not self.engine.lora_in_memory(lora_request):
-            await self.check_lora(lora_request)
 
     async def remove_lora(self, lora_name: str) -> bool:
         """Forget the adapter(s) named ``lora_name`` from host memory (requests running with one
@@ -240,9 +227,12 @@ class LLMReplica:
             self.metrics.on_lora_stats(self._lora_stats())
 
     async def model_info(self) -> dict[str, Any]:
-        """What the ingress needs to validate requests: ``max_model_len`` (tokens), ``vocab_size``,
-        ``eos_token_ids``, ``max_num_seqs``."""
-        return {**self.engine.model_info(), "max_num_seqs": self.config.max_num_seqs}
+        """What the ingress needs to validate and route requests: ``max_model_len`` (tokens),
+        ``vocab_size``, ``eos_token_ids``, ``max_num_seqs``, ``block_size`` (tokens per KV block:
+        the prefix hashes of the envelopes' routing hints), ``scheduling_policy`` (``"fcfs"``: a
+        request's ``priority`` must be 0)."""
+        return {**self.engine.model_info(), "max_num_seqs": self.config.max_num_seqs, "block_size": self.config.block_size,
+                "scheduling_policy": self.config.scheduling_policy}
 
     async def metrics_text(self) -> str:
         """This replica's ``carpool:*`` series in the Prometheus text format (the ingress merges
@@ -273,6 +263,7 @@ class LLMReplica:
             "pid": os.getpid(),
             "healthy": self.engine.is_alive and self._wedged_for() is None,
             "lora_loaded": self._lora_stats()["loaded"],
+            "priority_counts": [list(pair) for pair in s.priority_counts],
         }
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -286,7 +277,9 @@ class LLMReplica:
         ``num_requests`` (requests received since start), ``replica`` (Serve replica id),
         ``pid`` (the replica's process id), ``healthy`` (False when the engine loop is dead or
         wedged: the router then sends requests elsewhere until Serve replaces this replica),
-        ``lora_loaded`` (names of the LoRA adapters in device slots; adapter-aware routing).
+        ``lora_loaded`` (names of the LoRA adapters in device slots; adapter-aware routing),
+        ``priority_counts`` (priority scheduling policy only, else empty: ``[[priority, requests
+        running or waiting], ...]``, lowest value first, at most 16 pairs; priority-aware routing).
         """
         return self._stats_dict()
 

@@ -10,6 +10,10 @@ through :mod:`replica.attention.backend`, which it imports for :class:`Attention
 model runner turns the arrays into tensors with one host-to-device copy
 (:func:`replica.attention.backend.to_device`).
 
+Each row (a *seat*) also holds its request's sampling inputs (:mod:`replica.worker.sampling_batch`),
+written when the request takes the row and cleared when it leaves, from which the step sampler
+gathers the sampler's :class:`~replica.sample.metadata.SamplingMetadata`.
+
 The static baseline's padding rows (``ScheduledRequest.is_padding``, :mod:`replica.core.static_batching`)
 are the one special case: such a row recomputes its request's last token at the next position.
 """
@@ -22,6 +26,7 @@ import numpy as np
 
 from replica.attention.backend import AttentionMetadata
 from replica.kernels.shapes import padded_size
+from replica.worker.sampling_batch import SamplingBatch
 
 
 @dataclass
@@ -38,7 +43,9 @@ class ModelInputs:
     ``draft_spans`` (speculative decoding): ``(scheduled row, k)`` of each row that verifies ``k``
     drafts; its ``k`` draft logits rows (the logits of its chunk's first ``k`` tokens, which score
     the drafts) follow the sampling rows, before the prompt rows, in order.
-    ``sequences`` is what the attention backend plans from.
+    ``sequences`` is what the attention backend plans from. ``seats``: ``[num_scheduled]`` int64,
+    each scheduled row's seat in the persistent batch (its sampling inputs: ``InputBatch.sampling``);
+    ``sample_seats``: ``[num_sampling_rows]``, the sampling rows' seats (``seats[sample_rows]``).
     """
 
     input_ids: np.ndarray
@@ -48,6 +55,8 @@ class ModelInputs:
     sequences: AttentionMetadata
     prompt_spans: list[tuple[int, int, int]]
     draft_spans: list[tuple[int, int]] = field(default_factory=list)
+    seats: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_seats: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_draft_rows(self) -> int:
@@ -68,9 +77,12 @@ class InputBatch:
         max_model_len: tokens per request at most (the row length).
         block_size: tokens per KV block.
         padding_slot: the KV slot that padding tokens write to (held by no block table).
+        device: where seeded requests' generators draw (:class:`SamplingBatch`).
     """
 
-    def __init__(self, max_rows: int, max_model_len: int, block_size: int, padding_slot: int) -> None:
+    def __init__(
+        self, max_rows: int, max_model_len: int, block_size: int, padding_slot: int, device: str = "cpu"
+    ) -> None:
         self.block_size = block_size
         self.padding_slot = padding_slot
         max_blocks = -(-max_model_len // block_size)
@@ -80,6 +92,7 @@ class InputBatch:
         self._num_blocks = [0] * max_rows  # block ids written per row
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.sampling = SamplingBatch(max_rows, device)
 
     @property
     def num_rows_used(self) -> int:
@@ -91,6 +104,9 @@ class InputBatch:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+            self.sampling.remove(row)
+        else:
+            self.sampling.discard(request_id)
 
     def _sync(self, request) -> int:
         """The request's row, with its tokens and blocks written up to now (O(what changed))."""
@@ -101,6 +117,7 @@ class InputBatch:
             row = self._free_rows.pop()
             self._row_of[request.request_id] = row
             self._num_tokens[row] = self._num_blocks[row] = 0
+            self.sampling.add(row, request)
         have, total = self._num_tokens[row], request.num_tokens
         if have < total:
             prompt = request.prompt_token_ids
@@ -195,6 +212,28 @@ class InputBatch:
             slot_mapping=slots,
             num_tokens=num_tokens,
         )
-        return ModelInputs(input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans, draft_spans)
+        return ModelInputs(
+            input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans, draft_spans, rows, rows[samples]
+        )
 
 
+
+def decode_arrays(seqs: AttentionMetadata, *, min_columns: int, spare_block: int) -> list[np.ndarray]:
+    """A decode-like step's attention inputs (:class:`~replica.attention.backend.DecodeStep`), one
+    query per token: a prefill chunk's token ``j`` becomes a query of its sequence's block table
+    that sees the sequence's first ``context_len + j + 1`` tokens (causal attention, one query at a
+    time), and padding tokens one-token sequences on ``spare_block``. Returns ``[slot_mapping [T],
+    block tables [T, max(width, min_columns)], seq_lens [T]]`` (``T`` = the step's tokens)."""
+    num_real = int(seqs.query_lens.sum())
+    extra = seqs.num_tokens - num_real
+    tables, lens = seqs.block_tables, seqs.seq_lens
+    if num_real != seqs.num_seqs:  # prefill chunks: one row per token, in token order
+        _, rows, lens = seqs.decode_queries(np.arange(seqs.num_seqs))
+        tables = tables[rows]
+    if tables.shape[1] < min_columns:
+        tables = np.concatenate([tables, np.full((len(tables), 1), spare_block, dtype=tables.dtype)], axis=1)
+    if extra:
+        pad_tables = np.full((extra, tables.shape[1]), spare_block, dtype=tables.dtype)
+        tables = np.concatenate([tables, pad_tables])
+        lens = np.concatenate([lens, np.ones(extra, dtype=lens.dtype)])
+    return [seqs.slot_mapping, tables, lens]

@@ -47,7 +47,7 @@ from replica.lora.slots import make_slots
 from replica.sample.sampler import cpu_inversion
 from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
-from replica.worker.input_batch import InputBatch, ModelInputs
+from replica.worker.input_batch import InputBatch, ModelInputs, decode_arrays
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.worker.kv_sizing import decide_num_blocks
 from replica.worker.model_loader import load_model, resolve_dtype
@@ -207,7 +207,8 @@ class ModelRunner:
         """Allocate the persistent batch (``max_num_seqs`` rows of ``max_model_len`` tokens), and
         give the attention layers ``max_model_len`` (:func:`set_max_model_len`)."""
         self._command("init_batch", max_num_seqs, max_model_len)
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot)
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, self.block_size, self.padding_slot, self.device)
+        self.step_sampler.seats = self.input_batch.sampling
         set_max_model_len(self.model, max_model_len)
         if self.use_cuda_graphs:
             self._make_graphs(capture=True)
@@ -284,23 +285,9 @@ class ModelRunner:
             tp.close()
 
     def decode_arrays(self, seqs) -> list[np.ndarray]:
-        """A decode-like step's attention inputs (:class:`~replica.attention.backend.DecodeStep`), one query
-        per token: a prefill chunk's token ``j`` becomes a query of its sequence's block table that
-        sees the sequence's first ``context_len + j + 1`` tokens (causal attention, one query at a
-        time), and padding tokens one-token sequences on the spare block."""
-        num_real = int(seqs.query_lens.sum())
-        extra = seqs.num_tokens - num_real
-        tables, lens = seqs.block_tables, seqs.seq_lens
-        if num_real != seqs.num_seqs:  # prefill chunks: one row per token, in token order
-            _, rows, lens = seqs.decode_queries(np.arange(seqs.num_seqs))
-            tables = tables[rows]
-        if tables.shape[1] < self.min_step_tokens:
-            tables = np.concatenate([tables, np.full((len(tables), 1), self.num_blocks, dtype=tables.dtype)], axis=1)
-        if extra:
-            pad_tables = np.full((extra, tables.shape[1]), self.num_blocks, dtype=tables.dtype)
-            tables = np.concatenate([tables, pad_tables])
-            lens = np.concatenate([lens, np.ones(extra, dtype=lens.dtype)])
-        return [seqs.slot_mapping, tables, lens]
+        """A decode-like step's attention inputs, one query per token
+        (:func:`~replica.worker.input_batch.decode_arrays`)."""
+        return decode_arrays(seqs, min_columns=self.min_step_tokens, spare_block=self.num_blocks)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,6 +1,13 @@
 """Sampling one step's logits: the next token of every row that reaches its last known token, and the
 prompt logprobs asked for (:class:`StepSampler`, the model runner's; rank 0 only under tensor
-parallelism)."""
+parallelism).
+
+The sampler's inputs come from the persistent batch's seats (:class:`~replica.worker.sampling_batch.SamplingBatch`,
+gathered into a :class:`~replica.sample.metadata.SamplingMetadata` per step); the scheduler's
+requests are read here only for which rows still run and for prompt logprobs. A row whose seat
+holds an error (settings that could not be written) fails alone, as does a row that breaks the
+batched sampler (it is then sampled row by row).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from replica.sample.logprobs import token_logprobs
 from replica.sample.rejection_sampler import verify
 from replica.sample.sampler import Sampler
 from replica.worker.input_batch import ModelInputs
+from replica.worker.sampling_batch import SamplingBatch
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 
 logger = logging.getLogger(__name__)
@@ -27,6 +35,7 @@ class StepSampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.sampler = Sampler()
+        self.seats: SamplingBatch | None = None  # the persistent batch's (ModelRunner.init_batch)
 
     @torch.inference_mode()
     def sample_later(self, launched: tuple[SchedulerOutput, ModelInputs, torch.Tensor]) -> PendingTokens:
@@ -35,34 +44,44 @@ class StepSampler:
         with logprobs, prompt logprobs or a sampling error is sampled as :meth:`execute` does."""
         out, inputs, logits = launched
         keep = [k for k, row in enumerate(inputs.sample_rows) if out.scheduled[row].request.status == RequestStatus.RUNNING]
-        requests = [out.scheduled[inputs.sample_rows[k]].request for k in keep]
+        rows_of = [inputs.sample_rows[k] for k in keep]
+        seats = inputs.sample_seats if len(keep) == len(inputs.sample_rows) else inputs.seats[rows_of]
+        metadata = self.seats.gather(seats)
         plain = (
             not inputs.prompt_spans
             and not inputs.draft_spans
-            and all(r.sampling_params.logprobs is None for r in requests)
+            and not metadata.any_logprobs
             and not any(s.is_padding for s in out.scheduled)  # static baseline's padding rows: _sample
+            and not (self.seats.num_errors and any(self.seats.error_of(seat) for seat in seats.tolist()))
         )
         if plain:
-            self._seed_generators(requests)
             rows = logits[: len(inputs.sample_rows)]
             if len(keep) < len(inputs.sample_rows):
                 rows = rows.index_select(0, torch.tensor(keep, dtype=torch.int64, device=logits.device))
             try:
                 with record_function("carpool.sample"):
-                    tokens = self.sampler.sample_ids(rows, requests) if requests else rows.new_empty(0, dtype=torch.int64)
+                    tokens = self.sampler.sample_ids(rows, metadata) if keep else rows.new_empty(0, dtype=torch.int64)
             except Exception:
                 logger.exception("batched sampling failed; sampling the step's rows one by one")
             else:
-                rows_of = [inputs.sample_rows[k] for k in keep]
-                return PendingTokens([r.request_id for r in requests], rows_of, tokens, len(out.scheduled))
+                ids = [out.scheduled[row].request.request_id for row in rows_of]
+                return PendingTokens(ids, rows_of, tokens, len(out.scheduled))
         result = self.sample(out, inputs, logits)
         ids = [None if s.is_padding else s.request.request_id for s in out.scheduled]  # static padding: no next step
         return PendingTokens.done(result, ids, self.device)
 
-    def _seed_generators(self, requests) -> None:
-        for request in requests:
-            if request.sampling_params.seed is not None and request.generator is None:
-                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+    def _failed_seats(self, rows: list[int], inputs: ModelInputs, result: ModelRunnerOutput) -> list[int]:
+        """``rows`` (scheduled rows) less those whose seat holds an error, which goes to ``result``."""
+        if not self.seats.num_errors:
+            return rows
+        kept = []
+        for row in rows:
+            error = self.seats.error_of(int(inputs.seats[row]))
+            if error is None:
+                kept.append(row)
+            else:
+                result.errors[row] = error
+        return kept
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, inputs, logits: torch.Tensor) -> ModelRunnerOutput:
@@ -89,22 +108,24 @@ class StepSampler:
             i for i, row in enumerate(sample_rows)
             if out.scheduled[row].request.status == RequestStatus.RUNNING and row not in verified
         ]
+        if self.seats.num_errors:  # rows whose seat holds an error fail alone
+            kept = set(self._failed_seats([sample_rows[i] for i in real], inputs, result))
+            real = [i for i in real if sample_rows[i] in kept]
         static_padding = [i for i, row in enumerate(sample_rows) if out.scheduled[row].is_padding]
         if real:
-            requests = [out.scheduled[sample_rows[i]].request for i in real]
-            self._seed_generators(requests)
+            metadata = self.seats.gather(inputs.seats[[sample_rows[i] for i in real]])
             real_logits = logits if len(real) == len(sample_rows) else logits[real]
             try:
                 with record_function("carpool.sample"):
-                    sampled = self.sampler(real_logits, requests)
+                    sampled = self.sampler(real_logits, metadata)
             except Exception:
                 # One request's parameters or state may break the batched sampler: sample each
                 # row alone, so that only the rows that fail by themselves fail.
                 logger.exception("batched sampling failed; sampling the %d rows one by one", len(real))
-                for k, (i, request) in enumerate(zip(real, requests)):
+                for k, i in enumerate(real):
                     row = sample_rows[i]
                     try:
-                        one = self.sampler(real_logits[k : k + 1], [request])
+                        one = self.sampler(real_logits[k : k + 1], metadata.select([k]))
                     except Exception as exc:
                         result.errors[row] = exc
                         continue
@@ -125,26 +146,31 @@ class StepSampler:
         into ``result``; returns their scheduled rows. A failure ends only the requests of those rows."""
         num_sampling = len(inputs.sample_rows)
         sampling_row = {row: k for k, row in enumerate(inputs.sample_rows)}
-        blocks, requests, drafts, rows = [], [], [], []
+        blocks, drafts, rows = [], [], []
         offset = num_sampling
-        for i, k in inputs.draft_spans:
-            index = torch.tensor([*range(offset, offset + k), sampling_row[i]], device=logits.device)
+        spans = inputs.draft_spans
+        ok = set(self._failed_seats([i for i, _ in spans], inputs, result))
+        for i, k in spans:
             offset += k
+            if i not in ok:
+                continue
+            index = torch.tensor([*range(offset - k, offset), sampling_row[i]], device=logits.device)
             blocks.append(logits.index_select(0, index))
-            requests.append(out.scheduled[i].request)
             drafts.append(out.scheduled[i].spec_token_ids)
             rows.append(i)
-        self._seed_generators(requests)
+        if not rows:
+            return {i for i, _ in spans}
+        metadata = self.seats.gather(inputs.seats[rows])
         try:
-            verified = verify(self.sampler, blocks, requests, drafts)
+            verified = verify(self.sampler, blocks, metadata, drafts)
         except Exception:
             # One request's parameters or state may break the batch: verify each row alone, so
             # that only the rows that fail by themselves fail.
             logger.exception("verifying drafts failed; verifying the %d rows one by one", len(rows))
             verified = []
-            for i, block, request, draft in zip(rows, blocks, requests, drafts):
+            for k, (i, block, draft) in enumerate(zip(rows, blocks, drafts)):
                 try:
-                    verified += verify(self.sampler, [block], [request], [draft])
+                    verified += verify(self.sampler, [block], metadata.select([k]), [draft])
                 except Exception as exc:
                     result.errors[i] = exc
                     verified.append(None)
@@ -153,7 +179,7 @@ class StepSampler:
                 tokens, logprobs = one
                 result.sampled_token_ids[i], result.logprobs[i] = tokens[0], logprobs[0]
                 result.extra_token_ids[i], result.extra_logprobs[i] = tokens[1:], logprobs[1:]
-        return set(rows)
+        return {i for i, _ in spans}
 
     def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Prompt logprobs of ``inputs.prompt_spans`` from their logits rows ``[num_prompt_rows, V]``

@@ -21,8 +21,9 @@ is loaded" alone lets every replica see every rarely used adapter). It is a pref
 prefix match is: the imbalance bound of ``policy.py`` still sends a request elsewhere when its
 home is too busy.
 
-A request's adapter is the ``lora_request`` keyword of its replica call (``LLMReplica.generate``
-and ``generate_all``; :func:`lora_of`), which the ingress sets for adapter requests only.
+A request's adapter is its envelope's ``routing.adapter`` (the envelope of its replica call,
+``LLMReplica.generate`` or ``generate_all``: ``router/routing/pending.py``), which names one for
+adapter requests only.
 
 Held like the prefix record's hashes: a request's adapter is noted when it is routed
 (:meth:`LoRAAffinity.hold`) and recorded at the replica Serve confirms (:meth:`LoRAAffinity.confirm`).
@@ -41,7 +42,6 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Hashable, Iterable
-from typing import Any
 
 DEFAULT_MAX_LORAS = 4
 """Adapters a replica's record holds (the engine's device slots, ``max_loras``) unless told."""
@@ -56,14 +56,6 @@ before Serve confirms where it went (seconds); a placement never confirmed lapse
 MAX_IN_FLIGHT = 65536
 """Confirmed requests whose end this record waits for, at most (older ones are dropped: a request
 whose end was never reported)."""
-
-
-def lora_of(kwargs: dict[str, Any] | None) -> str | None:
-    """The adapter name of a replica call (its ``lora_request`` keyword, a ``LoRARequest``), or
-    None for a base-model request or any other call."""
-    request = (kwargs or {}).get("lora_request")
-    name = getattr(request, "lora_name", None)
-    return name if isinstance(name, str) else None
 
 
 class LoRAAffinity:

@@ -34,6 +34,14 @@ choices* (Mitzenmacher 2001): two at random, the less loaded one first (ties bro
 The others follow in rank order as fallbacks. So a replica without a free seat is never chosen
 while another one has one, and equally loaded replicas share a burst evenly.
 
+**Priority-aware load.** Under the ``priority`` scheduling policy a replica reports how many of
+its requests have each priority (``priority_counts``), and a request's *load* on it counts only
+those it would not overtake: priority ``<=`` its own, plus this router's requests in flight there
+that the report does not hold yet (:func:`~router.routing.ranking.priority_load`). So a request of
+high priority goes to the replica where it starts soonest: one busy with low-priority requests,
+which it would preempt, ranks as if those seats were free. Under ``fcfs`` (no counts reported)
+the load is every request.
+
 **Cache-aware routing** (``prefix_aware=True``, the default; SGLang router's cache-aware policy
 with its load-balance guard). When the best tier is 0 or 1 (a free seat), the replica whose record
 holds the longest run of the prompt's leading block hashes goes first, if that run is long enough
@@ -54,14 +62,14 @@ Serve confirms the replica (``on_request_routed``). Rules, in order:
 * ties on the longest match: power of two choices among the tied replicas; no match that counts
   (or no prompt: other calls, prompts shorter than a block): power of two choices as above.
 
-**Adapter-aware routing** (``lora_aware=True``, the default). A LoRA request (its replica call
-carries a ``lora_request``) prefers, among the replicas of the best tier (a free seat) within the
+**Adapter-aware routing** (``lora_aware=True``, the default). A LoRA request (its envelope's
+``routing.adapter`` names one) prefers, among the replicas of the best tier (a free seat) within the
 same imbalance bound, those that hold its adapter in a device slot most surely
 (:class:`~router.routing.lora_affinity.LoRAAffinity`: first where this router has requests of it
 in flight, counted from the moment it chose their replica; then where its record of the last
 ``max_loras`` distinct adapters it sent to each replica, or the replica's own report, has it);
 cache-aware routing then applies among them, on prompt hashes chained from the adapter's own root
-(``LoRARequest.hash_root``, as the replica hashes them). A replica that must load the adapter
+(``LoRARequest.hash_root``; the ingress computes them: ``RoutingHints.of``). A replica that must load the adapter
 first pays for it, and may have to wait until one of its slots is free of running requests; so a
 request follows its adapter unless that replica is past the imbalance bound, and a hot adapter
 spreads to a second replica once the first is loaded. Nobody holding it: a replica with a slot that
@@ -86,68 +94,29 @@ default) left fanned-out requests (``n`` > 1) unrouted in Ray 2.60, spinning the
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections import defaultdict, deque
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.routing.lora_affinity import DEFAULT_MAX_LORAS, LoRAAffinity, lora_of
-from router.routing.prefix_affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity, hash_root_of, prompt_of
-
-LOW_KV_FRACTION = 0.05
-"""A replica whose free KV blocks fall under this fraction of its pool ranks in tier 1."""
+from router.routing.lora_affinity import DEFAULT_MAX_LORAS, LoRAAffinity
+from router.routing.pending import envelope_of, request_key
+from router.routing.prefix_affinity import PrefixAffinity
+from router.routing.ranking import (  # noqa: F401  (re-exported: the policy's names)
+    LOW_KV_FRACTION,
+    PREFIX_BALANCE_ABS_THRESHOLD,
+    PREFIX_BALANCE_REL_THRESHOLD,
+    PREFIX_MIN_MATCH_FRACTION,
+    rank_replicas,
+    replica_key,
+)
 
 RESERVATION_TTL_S = 1.0
 """How long a replica chosen for a request counts it as load before Serve reports it sent there
 (seconds). Serve routes the ``n`` choices of one request concurrently: without reservations
 every choice would see the same idle replica and pile onto it. A reservation that Serve did not
 use (it fell back to another replica) lapses after this time."""
-
-PREFIX_BALANCE_ABS_THRESHOLD = 4
-"""Cache-aware routing's imbalance bound, in requests (running + waiting): a replica more loaded
-than the least loaded free-seat replica by more than this (or by the relative bound below, if
-larger) is not chosen for its prefix match. SGLang's router has the same guard
-(``balance_abs_threshold``)."""
-
-PREFIX_BALANCE_REL_THRESHOLD = 0.25
-"""The same bound as a fraction of a replica's seats (``max_num_seqs``): 8 requests at 32 seats."""
-
-PREFIX_MIN_MATCH_FRACTION = 0.3
-"""Cache-aware routing follows a match only if it covers at least this fraction of the prompt's
-full blocks; below it the load decides. SGLang's router has the same rule (``cache_threshold``,
-default 0.3)."""
-
-
-def replica_key(
-    stats: dict[str, Any], live_load: int | None, low_kv_fraction: float = LOW_KV_FRACTION
-) -> tuple[int, int, int, int]:
-    """Sort key ``(tier, waiting, -free_blocks, load)`` of one replica; smaller is better.
-
-    Tiers: 0 a free seat, 1 a free seat but few free KV blocks, 2 no free seat, 3 a replica that
-    reports itself unhealthy (``healthy: False``: its engine loop is dead or wedged).
-
-    Args:
-        stats: the replica's last ``routing_stats`` (empty before the first poll).
-        live_load: requests in flight to it as this router knows them, or None if unknown.
-        low_kv_fraction: below this fraction of free blocks a replica with a free seat drops to
-            tier 1.
-    """
-    reported = int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0))
-    load = live_load if live_load is not None else reported
-    slots = int(stats.get("num_slots") or 0)
-    total_blocks = int(stats.get("num_total_blocks") or 0)
-    free_blocks = int(stats.get("num_free_blocks", total_blocks))
-    if stats.get("healthy") is False:  # engine loop dead or wedged: last, until Serve replaces it
-        return (3, 0, 0, load)
-    if slots == 0:  # no stats yet: only the live load tells replicas apart
-        return (0, 0, 0, load)
-    if load < slots:
-        tier = 1 if total_blocks and free_blocks < low_kv_fraction * total_blocks else 0
-        return (tier, 0, -free_blocks, load)
-    return (2, load - slots, -free_blocks, load)
-
 
 class CarpoolRequestRouter(FIFOMixin, RequestRouter):
     """Rank replicas by free seats, then waiting requests, then free KV blocks; among the
@@ -239,11 +208,14 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         ``request_metadata``'s request goes to. For a LoRA request (adapter-aware routing on),
         the oldest pending request of the same adapter, if any; otherwise None, and Serve hands
         the replica to the oldest pending request."""
-        name = self.loras.pending(getattr(request_metadata, "internal_request_id", None)) if self.lora_aware else None
+        if not self.lora_aware or request_metadata is None:
+            return None
+        name = self.loras.pending(request_metadata.internal_request_id)
         if name is None:
             return None
         for pending_request in self._pending_requests_to_fulfill:
-            if not pending_request.future.done() and lora_of(getattr(pending_request, "kwargs", None)) == name:
+            envelope = envelope_of(pending_request)
+            if not pending_request.future.done() and envelope is not None and envelope.routing.adapter == name:
                 return pending_request
         return None
 
@@ -252,28 +224,18 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         # Serve calls this when a replica accepted the request (its queue-length handshake).
         super().on_request_routed(pending_request, replica_id, result)
         self._routed_hook_seen = True
-        self.affinity.confirm(_request_key(pending_request), replica_id)
-        self.loras.confirm(_request_key(pending_request), replica_id)
+        self.affinity.confirm(request_key(pending_request), replica_id)
+        self.loras.confirm(request_key(pending_request), replica_id)
 
-    def _prompt_hashes(self, candidates: list[RunningReplica], pending_request: PendingRequest | None) -> list[bytes]:
-        """The block hashes of the request's prompt (held until Serve confirms its replica), or
-        [] when there is no prompt, no full block, or cache-aware routing is off."""
-        if not self.prefix_aware or pending_request is None:
+    def _prompt_hashes(self, pending_request: PendingRequest | None) -> list[bytes]:
+        """The block hashes of the request's prompt (its envelope's ``routing.prefix_hashes``,
+        held until Serve confirms its replica), or [] for another call, a prompt shorter than a
+        block, or cache-aware routing off. Raises what :func:`~router.routing.pending.envelope_of` raises."""
+        envelope = envelope_of(pending_request)
+        if not self.prefix_aware or envelope is None or not envelope.routing.prefix_hashes:
             return []
-        key = _request_key(pending_request)
-        held = self.affinity.pending(key) if key is not None else None
-        if held is not None:
-            return held  # chosen before (Serve's backoff loop asks again)
-        prompt = prompt_of(getattr(pending_request, "args", None), getattr(pending_request, "kwargs", None))
-        if prompt is None:
-            return []
-        block_size = next(
-            (int(r.routing_stats["block_size"]) for r in candidates if (r.routing_stats or {}).get("block_size")),
-            DEFAULT_BLOCK_SIZE,
-        )
-        hashes = self.affinity.hashes(prompt, block_size, hash_root_of(getattr(pending_request, "kwargs", None)))
-        if hashes and key is not None:
-            self.affinity.hold(key, hashes)
+        hashes = list(envelope.routing.prefix_hashes)
+        self.affinity.hold(request_key(pending_request), hashes)
         return hashes
 
     def _adapter_places(
@@ -285,14 +247,11 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         request of this router uses (fewer than ``max_loras`` adapters in flight there);
         ``(None, None)`` for a base-model request, another call, or adapter-aware routing off.
         Holds the adapter until Serve confirms the request's replica."""
-        if not self.lora_aware or pending_request is None:
+        envelope = envelope_of(pending_request)
+        name = envelope.routing.adapter if envelope is not None else None
+        if not self.lora_aware or name is None:
             return None, None
-        name = lora_of(getattr(pending_request, "kwargs", None))
-        if name is None:
-            return None, None
-        key = _request_key(pending_request)
-        if key is not None:
-            self.loras.hold(key, name)
+        self.loras.hold(request_key(pending_request), name)
         self.loras.retain(self.curr_replicas)
         self.loras.expire(time.monotonic())
         holds = [self.loras.holds(name, r.replica_id, (r.routing_stats or {}).get("lora_loaded")) for r in candidates]
@@ -324,8 +283,9 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
             return None
         return max(cached or 0, mine)
 
-    def key(self, replica: RunningReplica) -> tuple[int, int, int, int]:
-        return replica_key(replica.routing_stats or {}, self.live_load(replica), self.low_kv_fraction)
+    def key(self, replica: RunningReplica, priority: int | None = None) -> tuple[int, int, int, int]:
+        """:func:`~router.routing.ranking.replica_key` of ``replica`` for a request of ``priority``."""
+        return replica_key(replica.routing_stats or {}, self.live_load(replica), self.low_kv_fraction, priority)
 
     # ---- the policy ------------------------------------------------------------------------------
     async def choose_replicas(
@@ -333,8 +293,10 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        keyed = [(self.key(r), r) for r in candidate_replicas]
-        hashes = self._prompt_hashes(candidate_replicas, pending_request)
+        envelope = envelope_of(pending_request)
+        priority = envelope.priority if envelope is not None else None
+        keyed = [(self.key(r, priority), r) for r in candidate_replicas]
+        hashes = self._prompt_hashes(pending_request)
         holds, slot_free = self._adapter_places(candidate_replicas, pending_request)
         matches, min_match = None, 1
         if hashes:
@@ -353,74 +315,5 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
             now = time.monotonic()
             self._reserved[ranks[0][0].replica_id].append(now)
             if holds is not None:
-                self.loras.place(_request_key(pending_request), ranks[0][0].replica_id, now)
+                self.loras.place(request_key(pending_request), ranks[0][0].replica_id, now)
         return ranks
-
-
-def _request_key(pending_request: PendingRequest | None) -> str | None:
-    """Serve's internal id of a pending request (the key of its held prompt hashes)."""
-    metadata = getattr(pending_request, "metadata", None)
-    return getattr(metadata, "internal_request_id", None)
-
-
-def rank_replicas(
-    keyed: list[tuple[tuple[int, int, int, int], Any]],
-    matches: list[int] | None = None,
-    max_imbalance: float = PREFIX_BALANCE_ABS_THRESHOLD,
-    min_match: int = 1,
-    holds: list[int] | None = None,
-    slot_free: list[bool] | None = None,
-) -> list[list[Any]]:
-    """Ranked groups from ``(key, replica)`` pairs (see :func:`replica_key`): first the chosen
-    replica alone, then (power of two choices) the other sampled one, then the rest by tier.
-
-    Args:
-        keyed: ``(key, replica)`` pairs.
-        matches: per pair, in the same order, the prompt's prefix blocks the replica likely holds
-            (cache-aware routing); None for load alone.
-        max_imbalance: requests; a replica more loaded than the least loaded one of the best tier
-            by more than this does not compete on its match or its adapter.
-        min_match: blocks; a shorter match does not count (at least 1).
-        holds: per pair, how surely the replica holds the request's LoRA adapter (0: not, 1:
-            likely, 2: surely; adapter-aware routing); None for a base-model request or adapters
-            ignored. Booleans count as 0 and 1.
-        slot_free: per pair (with ``holds``), whether the replica has a LoRA slot that no request
-            in flight uses: where an adapter nobody holds can be loaded without waiting.
-
-    The chosen one, when the best tier has a free seat (0 or 1): among that tier's replicas
-    within the imbalance bound, those holding the adapter most surely if any do (``holds``), else
-    those with a free slot if any (``slot_free``); among those, the longest match if it is at least ``min_match`` blocks (``matches``; ties by power of two
-    choices among the tied); otherwise power of two choices among the replicas left (the holders,
-    or the whole best tier). In tier 2 (no free seat): power of two choices among the best tier.
-    """
-    if not keyed:
-        return []
-    if matches is not None:
-        match_of = {id(kr[1]): m for kr, m in zip(keyed, matches)}
-    order = sorted(keyed, key=lambda kr: (kr[0], random.random()))
-    best_tier, best_waiting = order[0][0][0], order[0][0][1]
-    best = [kr for kr in order if kr[0][0] == best_tier and kr[0][1] == best_waiting]
-    if (matches is not None or holds is not None) and best_tier <= 1:
-        least = min(kr[0][3] for kr in best)
-        eligible = [kr for kr in best if kr[0][3] - least <= max_imbalance]
-        if holds is not None:
-            hold_of = {id(kr[1]): int(h) for kr, h in zip(keyed, holds)}
-            surest = max(hold_of[id(kr[1])] for kr in eligible)
-            free = {id(kr[1]) for kr, f in zip(keyed, slot_free or ()) if f}
-            holding = ([kr for kr in eligible if hold_of[id(kr[1])] == surest] if surest > 0
-                       else [kr for kr in eligible if id(kr[1]) in free])
-            if holding:
-                best = eligible = holding
-        if matches is not None:
-            longest = max(match_of[id(kr[1])] for kr in eligible)
-            if longest >= max(1, min_match):
-                best = [kr for kr in eligible if match_of[id(kr[1])] == longest]
-    pair = random.sample(best, 2) if len(best) >= 2 else best
-    pair.sort(key=lambda kr: (kr[0][3], kr[0][2], random.random()))  # fewer requests, then more free blocks
-    ranks = [[kr[1]] for kr in pair]
-    chosen = {id(kr[1]) for kr in pair}
-    for tier in (0, 1, 2):
-        group = [kr[1] for kr in order if kr[0][0] == tier and id(kr[1]) not in chosen]
-        if group:
-            ranks.append(group)
-    return ranks

@@ -14,6 +14,9 @@ least recently freed block first. A prompt's hashes enter the record last-block-
 leading blocks (shared by more prompts) are the most recent and the last to be evicted, as in the
 replica, whose freed blocks join its free list tail-first.
 
+A request's hashes come with it: the ingress computes them once per prompt into the envelope's
+routing hints (``replica.protocol.envelope.RoutingHints``), which the policy reads.
+
 It is approximate: the replica may have evicted blocks the record still holds (other callers'
 traffic, KV pressure), and the record does not see other ingresses' requests. A wrong guess costs
 only the prefill the cache would have saved; seats and KV room are checked by the policy anyway.
@@ -23,13 +26,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Sequence
-from typing import Any
 
 from replica.protocol.prefix_hash import ROOT, block_hashes
-
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per KV block assumed before a replica has reported its ``block_size`` (the engine's
-default)."""
 
 DEFAULT_CAPACITY_BLOCKS = 4096
 """Blocks a replica's record holds before the replica has reported ``num_total_blocks``."""
@@ -37,23 +35,6 @@ DEFAULT_CAPACITY_BLOCKS = 4096
 MAX_PENDING = 4096
 """Routed requests whose hashes wait for Serve's confirmation of their replica, at most (older
 ones are dropped: a request Serve never dispatched)."""
-
-
-def hash_root_of(kwargs: dict[str, Any] | None) -> bytes:
-    """The prefix hash chain's start of a replica call: its ``lora_request`` keyword's
-    ``hash_root`` for an adapter request, else :data:`~replica.protocol.prefix_hash.ROOT`."""
-    root = getattr((kwargs or {}).get("lora_request"), "hash_root", None)
-    return root if isinstance(root, bytes) else ROOT
-
-
-def prompt_of(args: Sequence[Any] | None, kwargs: dict[str, Any] | None = None) -> list[int] | None:
-    """The prompt token ids of a replica call (``LLMReplica.generate``/``generate_all``:
-    ``(request_id, prompt_token_ids, sampling_params, ...)``), or None for any other call
-    (``model_info``, ``abort_all``, ...)."""
-    prompt = args[1] if args is not None and len(args) >= 2 else (kwargs or {}).get("prompt_token_ids")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return prompt
-    return None
 
 
 class PrefixAffinity:

@@ -14,9 +14,11 @@ own), one Serve app per module.
 Replica stats are read straight from each replica actor (``record_routing_stats``, the hook that
 Serve's controller polls), so a test sees every replica, not whichever one a handle picks.
 
-Engines: ``test_api`` and ``test_bench_serve`` serve with the default (compiled) engine; the other
-modules pass ``compile=False`` (``--no-compile``), which runs the same engine eagerly and starts
-faster, since what they test is the serving around it.
+Engines: ``test_api`` serves with the default (compiled) engine, at the tests' KV budget
+(``tests.helpers.KV_CACHE_MEMORY``), so that its compile is the one the engine tests' compiled
+SmolLM2 loads from the compile cache; the other modules pass ``compile=False`` (``--no-compile``),
+which runs the same engine eagerly and starts faster, since what they test is the serving around it
+(docs/development.md, "The suite's time").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Autoscaling on seats, served: the Carpool policy on a 2-node Ray cluster on this machine.
 
-``carpool bench autoscale``'s run (``cluster/bench/autoscale.py``), in a subprocess of its own
+``carpool bench autoscale``'s run (``cluster/bench/serving/autoscale.py``), in a subprocess of its own
 (its own Ray cluster: a head and a worker node of 1 CPU each, one replica slot per node), with the
 Carpool policy only and short windows; a real Prometheus scrapes the app. The side-by-side with
 Serve's ongoing-requests policy is the bench's (``docs/bench/autoscaling-cpu.md``).
@@ -31,7 +31,7 @@ BENCH = dict(
 
 
 def main(out_path: str) -> None:
-    from cluster.bench.autoscale import AutoscaleBench, autoscale_main
+    from cluster.bench.serving.autoscale import AutoscaleBench, autoscale_main
 
     autoscale_main(out_path, AutoscaleBench(**BENCH), ("carpool",), PROMETHEUS)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 
-from cluster.bench.lora_routing import lora_routing_main
+from cluster.bench.serving.lora_routing import lora_routing_main
 
 MODE_FIELDS = {
     "completed", "errors", "error_messages", "output_tokens", "wall_s", "output_tokens_per_s", "adapter_loads",

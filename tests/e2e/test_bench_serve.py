@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.bench.serve import serve_main
+from cluster.bench.serving.serve import serve_main
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
 

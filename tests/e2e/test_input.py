@@ -320,6 +320,20 @@ def test_refusals_are_counted_in_metrics(served):
     assert "carpool:num_requests_running{" in text  # the replicas' series are still there
 
 
+def test_priority_under_the_fcfs_policy(served):
+    """The served replicas run the default ``fcfs`` scheduling policy: priority 0 is served, any
+    other priority is a 400 naming ``priority`` (vLLM's rule), and so is one that is not an int."""
+    for path, body in (("/v1/completions", cmpl), ("/v1/chat/completions", chat)):
+        r = httpx.post(served.root_url + path, json=body(priority=0), headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        error = assert_openai_error(httpx.post(served.root_url + path, json=body(priority=-2), headers=AUTH, timeout=30),
+                                    400, param="priority", code="invalid_value")
+        assert "--scheduling-policy priority" in error["message"], error
+        for bad in ("1", 1.5, True):
+            assert_openai_error(httpx.post(served.root_url + path, json=body(priority=bad), headers=AUTH, timeout=30),
+                                400, param="priority")
+
+
 # ---- property-based: no input gives a 5xx or a hang ------------------------------------------------
 json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),

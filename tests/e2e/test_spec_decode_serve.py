@@ -10,7 +10,7 @@ That the tokens equal those without speculation is checked on the engine, in flo
 from __future__ import annotations
 
 import pytest
-from cluster.bench.input_grounded import input_grounded_prompts
+from cluster.bench.workloads.input_grounded import input_grounded_prompts
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
 from tests.e2e.test_disconnects import metrics

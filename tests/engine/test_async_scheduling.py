@@ -318,7 +318,7 @@ def test_async_scheduling_is_on_by_default_on_cuda_only(tiny_llama):
 
 
 def test_static_policy_runs_synchronously(tiny_llama):
-    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, scheduling_policy="static",
+    llm = LLM(model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, max_num_seqs=4, batching_policy="static",
               async_scheduling=True)
     assert not llm.engine.async_scheduling
 
@@ -355,7 +355,7 @@ def test_a_failed_launch_or_a_broken_sampler_ends_only_its_requests(tiny_llama, 
 
     for i, ids in enumerate(PROMPTS[:3]):
         engine.add_request(f"s{i}", prompt_token_ids=ids, sampling_params=greedy())
-    engine.scheduler.requests["s1"].sampling_params.temperature = None  # the batched sampler raises
+    engine.scheduler.requests["s1"].sampling_params.temperature = None  # its seat keeps a TypeError
     outputs = run_all(engine)
     assert tokens_of(outputs["s0"]) == reference[0] and tokens_of(outputs["s2"]) == reference[2]
     [failed] = outputs["s1"]

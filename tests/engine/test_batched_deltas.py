@@ -1,9 +1,9 @@
-"""Batched deltas (``replica/serve/delta_channel.py``, ``router/delta_receiver.py``): a replica's streamed
+"""Batched deltas (``replica/serve/delta_channel.py``, ``router/dispatch/delta_receiver.py``): a replica's streamed
 requests reach their ingress over one TCP connection, one frame per engine step.
 
 A real ``LLMReplica`` (outside Serve, with the tiny Llama) and the ingress's real
-``DeltaReceiver`` talk over 127.0.0.1, as ``router/fanout.py`` drives them: open the request's
-queue, call ``generate(..., announce=True, channel=key)``, connect to the address it announces,
+``DeltaReceiver`` talk over 127.0.0.1, as ``router/dispatch/fanout.py`` drives them: open the request's
+queue, call ``generate(request=<envelope>, announce=True, channel=key)``, connect to the address it announces,
 watch the call's end, read the queue. Asserted: the tokens are those of the plain stream; several
 requests' deltas share frames; an error and a cancellation reach the right request and leave every
 KV block free; a connection that ends, or presents an unknown key, never leaves a reader waiting.
@@ -19,10 +19,11 @@ import pytest
 
 import replica.serve.delta_channel as delta_channel
 from replica import SamplingParams
+from replica.protocol.envelope import RequestEnvelope, RoutingHints
 from replica.protocol.outputs import EngineOutput
 from replica.protocol.wire import HEADER, encode_frame
 from replica.serve.delta_channel import DeltaChannels
-from router.delta_receiver import ConnectionLost, DeltaReceiver, on_call_end, queued_deltas
+from router.dispatch.delta_receiver import ConnectionLost, DeltaReceiver, on_call_end, queued_deltas
 from tests.engine.test_failures import PROMPTS, make_replica, run
 from tests.helpers import assert_idle
 
@@ -33,15 +34,20 @@ def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
+def envelope(rid: str, ids: list[int], params: SamplingParams) -> RequestEnvelope:
+    """The request as the ingress sends it (``router/request/preparation.py``: ``Prepared.envelope``)."""
+    return RequestEnvelope(rid, ids, params, RoutingHints.of(ids, 16))
+
+
 async def plain_tokens(replica, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
     """The request's tokens through the call's own stream (no channel)."""
-    return [t async for d in replica.generate(rid, ids, params) for t in d.new_token_ids]
+    return [t async for d in replica.generate(request=envelope(rid, ids, params)) for t in d.new_token_ids]
 
 
 async def start(replica, receiver: DeltaReceiver, rid: str, ids: list[int], params: SamplingParams):
     """What the ingress does for one streamed choice: returns ``(queue, call, watch)``."""
     queue = receiver.open(rid)
-    call = replica.generate(rid, ids, params, announce=True, channel=receiver.key)
+    call = replica.generate(request=envelope(rid, ids, params), announce=True, channel=receiver.key)
     address = await call.__anext__()
     await receiver.connect(address, rid)
     watch = asyncio.ensure_future(call.__anext__())
@@ -93,8 +99,9 @@ def test_batched_deltas_give_each_request_its_own_tokens_and_share_frames(replic
 def test_an_error_and_a_cancellation_reach_only_their_request(replica):
     async def scenario():
         receiver = DeltaReceiver()
-        vocab = replica.engine.engine.vocab_size
-        bad = batched(replica, receiver, "bad", [1, vocab + 5], greedy())
+        # The replica trusts the ingress's checks but its own max_model_len: a prompt that fills it.
+        too_long = [1] * replica.engine.max_model_len
+        bad = batched(replica, receiver, "bad", too_long, greedy())
         good = batched(replica, receiver, "good", PROMPTS[0], greedy())
         results = await asyncio.gather(bad, good, return_exceptions=True)
         # A long request cancelled after its first delta, as Serve cancels a call whose client left.
@@ -113,7 +120,7 @@ def test_an_error_and_a_cancellation_reach_only_their_request(replica):
         return results, first
 
     (bad, good), first = run(scenario())
-    assert isinstance(bad, ValueError) and "vocab" in str(bad).lower(), bad
+    assert isinstance(bad, ValueError) and "maximum context length" in str(bad), bad
     assert good[-1].finished and sum(len(d.new_token_ids) for d in good) == 8
     assert isinstance(first, EngineOutput) and not first.finished
     assert_idle(replica.engine.engine)
@@ -168,8 +175,8 @@ def test_a_failed_call_does_not_overtake_the_deltas_already_sent(monkeypatch):
     before that delta (through TCP). The request completes if its finished delta comes before the
     connection ends; otherwise the call's error (which allows a retry elsewhere) ends it, and no
     delta that came after the error is passed on."""
-    import router.delta_receiver as delta_receiver
-    from router.delta_receiver import CallEnded
+    import router.dispatch.delta_receiver as delta_receiver
+    from router.dispatch.delta_receiver import CallEnded
 
     monkeypatch.setattr(delta_receiver, "CALL_END_GRACE_S", 0.2)
     died = RuntimeError("the replica died")
@@ -246,7 +253,7 @@ def test_an_item_that_does_not_pickle_costs_only_its_own_request():
 
 
 def test_a_lost_ingress_aborts_its_requests_and_a_late_connect_is_refused(monkeypatch):
-    import router.delta_receiver as delta_receiver
+    import router.dispatch.delta_receiver as delta_receiver
 
     monkeypatch.setattr(delta_receiver, "LAST_DELTA_GRACE_S", 0.2)
 
@@ -271,7 +278,7 @@ def test_a_lost_ingress_aborts_its_requests_and_a_late_connect_is_refused(monkey
         except ConnectionLost as exc:
             refused = exc
         # A call that ended normally whose last delta never comes does not wait forever.
-        from router.delta_receiver import CallEnded
+        from router.dispatch.delta_receiver import CallEnded
 
         late.put_nowait(CallEnded(None))
         try:

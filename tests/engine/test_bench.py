@@ -1,6 +1,6 @@
 """``carpool bench offline`` on a tiny random model: exact finish steps, JSON fields, plots, workloads.
 
-Step accounting (cluster/bench/runner.py): step ``n`` is the run's ``n``-th non-empty engine step;
+Step accounting (cluster/bench/engine/runner.py): step ``n`` is the run's ``n``-th non-empty engine step;
 a request admitted at step ``s`` with its whole prompt in that step finishes at ``s + max_tokens - 1``
 and its seat is taken by a waiting request at step ``s + max_tokens``.
 """
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from cluster.bench import offline_main
-from cluster.bench.plots import replot
-from cluster.bench.workloads import SEED_EXAMPLE_FINISH_STEPS, coefficient_of_variation, read_jsonl, sweep_lengths
+from cluster.bench.engine.plots import replot
+from cluster.bench.workloads.base import SEED_EXAMPLE_FINISH_STEPS, coefficient_of_variation, read_jsonl, sweep_lengths
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = dict(dtype="float32", kv_cache_memory=16 << 20, progress=False)
@@ -187,7 +187,8 @@ def test_cli_offline_runs_and_rejects_bad_input(tiny_llama, tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         main(["offline", "--kv-cache-memory", "12XB", "--no-progress"])
     assert done.value.code == 2
-    assert "--kv-cache-memory: not a size" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--kv-cache-memory" in err and "12XB" in err  # names the option and the bad value
     with pytest.raises(SystemExit) as done:
         main(["offline", "-w", "nonsense", "--no-progress"])
     assert done.value.code == 2
@@ -197,7 +198,7 @@ def test_cli_offline_runs_and_rejects_bad_input(tiny_llama, tmp_path, capsys):
 def test_profile_reports_each_phase_of_a_step(tiny_llama, tmp_path, capsys):
     """``carpool bench profile``: every phase of the profiled steps is timed, the forward takes the
     most, and the JSON holds what the table printed."""
-    from cluster.bench.profile import PHASES, profile_main
+    from cluster.bench.engine.profile import PHASES, profile_main
 
     json_path = tmp_path / "profile.json"
     result = profile_main(model=tiny_llama, dtype="float32", max_num_seqs=4, num_requests=8, skip=2, steps=3,
@@ -213,7 +214,7 @@ def test_profile_reports_each_phase_of_a_step(tiny_llama, tmp_path, capsys):
 
 # ---- carpool bench prefix: prefix caching on vs off ------------------------------------------
 def test_shared_prefix_workload_shares_exactly_the_system_turn(smollm2_tokenizer):
-    from cluster.bench import prefix_workloads as pw
+    from cluster.bench.workloads import prefix as pw
 
     requests = pw.shared_prefix(smollm2_tokenizer, 64, system_prompt_len=512, output_len=32)
     again = pw.shared_prefix(smollm2_tokenizer, 64, system_prompt_len=512, output_len=32)
@@ -233,7 +234,7 @@ def test_shared_prefix_workload_shares_exactly_the_system_turn(smollm2_tokenizer
 def test_multi_turn_next_prompt_is_previous_prompt_output_and_user_turn(smollm2_tokenizer):
     """A turn's ids are the previous prompt, its output, then exactly what the chat template writes
     for one more user turn, so prefixes match token for token."""
-    from cluster.bench import prefix_workloads as pw
+    from cluster.bench.workloads import prefix as pw
 
     tok = smollm2_tokenizer
     first = pw.multi_turn_openings(tok, num_conversations=3, first_turn_len=100, output_len=5)
@@ -248,7 +249,7 @@ def test_multi_turn_next_prompt_is_previous_prompt_output_and_user_turn(smollm2_
 
 
 def test_prefix_cache_simulator_counts_like_the_engine():
-    from cluster.bench.prefix_workloads import simulate_prefix_cache
+    from cluster.bench.workloads.prefix import simulate_prefix_cache
 
     a = list(range(40))  # 2 full blocks of 16 and 8 more tokens
     b = list(range(32)) + [99] * 8  # shares a's 2 full blocks
@@ -262,8 +263,8 @@ def test_prefix_cache_simulator_counts_like_the_engine():
 @pytest.fixture(scope="module")
 def prefix_bench(tiny_llama, tmp_path_factory, monkeypatch_module):
     """Both workloads, caching on and off, with every multi-turn turn's construction recorded."""
-    from cluster.bench import prefix_workloads as pw
-    from cluster.bench.prefix import prefix_main
+    from cluster.bench.workloads import prefix as pw
+    from cluster.bench.engine.prefix import prefix_main
 
     turns = []
     real_next_turn = pw.next_turn
@@ -363,7 +364,7 @@ def test_cli_prefix_rejects_bad_input(capsys):
 def test_serve_bench_reads_prefix_cache_counters_per_replica():
     """``carpool bench serve``'s hit rate: the run's deltas of the counters in ``/metrics``,
     summed over the replicas seen in both scrapes."""
-    from cluster.bench.serve_prefix import counter_deltas, metrics_url_of, parse_prefix_cache_counters
+    from cluster.bench.serving.serve_prefix import counter_deltas, metrics_url_of, parse_prefix_cache_counters
 
     def exposition(a_q, a_h, b_q, b_h):
         lines = ["# HELP carpool:prefix_cache_queries_total Tokens looked up.", "# TYPE carpool:prefix_cache_queries_total counter"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from cluster.bench import offline_main
-from cluster.bench.input_grounded import input_grounded_prompts
+from cluster.bench.workloads.input_grounded import input_grounded_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 COUNTERS = {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length"}
@@ -35,7 +35,7 @@ def test_offline_input_grounded_reports_spec_decode(tiny_llama, tmp_path, capsys
 def test_bench_spec_compares_the_same_requests_with_and_without_drafts(tiny_llama, tmp_path, capsys):
     import torch
 
-    from cluster.bench.spec_bench import COST_ROWS, spec_main
+    from cluster.bench.engine.spec_bench import COST_ROWS, spec_main
 
     config = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2, "adaptive": False}
     results = spec_main(

@@ -130,7 +130,7 @@ SCENARIO_KWARGS = {"few-seats": dict(max_num_seqs=4), "preemption": dict(max_num
 def test_graph_decode_steps_match_transformers_generate(tiny_llama, policy, scenario, attention, monkeypatch):
     if attention == "torch":
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    llm = graph_engine(tiny_llama, scheduling_policy=policy, **SCENARIO_KWARGS[scenario])
+    llm = graph_engine(tiny_llama, batching_policy=policy, **SCENARIO_KWARGS[scenario])
     got, _ = run_engine(llm, WORKLOAD, None)
     assert got == reference_tokens(tiny_llama, WORKLOAD)
     assert llm.engine.runner.graphs.steps_run > 0

@@ -209,15 +209,15 @@ def test_bad_input_raises_at_add_request_without_disturbing_running_requests(llm
         (dict(prompt=""), r"^prompt must not be empty"),
         (dict(prompt=None), r"^prompt must be a string"),
         (dict(prompt_token_ids=[]), r"^prompt_token_ids must be a non-empty list"),
-        (dict(prompt_token_ids=[5, engine.vocab_size]), r"^prompt_token_ids holds 49152, outside the vocabulary"),
-        (dict(prompt_token_ids=[5, -1]), r"^prompt_token_ids holds -1"),
-        (dict(prompt_token_ids=[7] * MAX_MODEL_LEN), r"^prompt is 128 tokens; max_model_len is 128"),
-        (dict(prompt="x " * 400), r"^prompt is \d+ tokens; max_model_len is 128"),
+        (dict(prompt_token_ids=[5, engine.vocab_size]), r"^prompt_token_ids: token id 49152 is outside the vocabulary"),
+        (dict(prompt_token_ids=[5, -1]), r"^prompt_token_ids: token id -1 is outside"),
+        (dict(prompt_token_ids=[7] * MAX_MODEL_LEN), r"^prompt_token_ids: this model's maximum context length is 128 tokens; the prompt has 128"),
+        (dict(prompt="x " * 400), r"^prompt: this model's maximum context length is 128 tokens; the prompt has \d+"),
         (dict(prompt_token_ids=[5], sampling_params="greedy"), r"^sampling_params must be a SamplingParams"),
         (dict(request_id="run-1", prompt_token_ids=[5, 6]), r"^request_id 'run-1' is already in use"),
         (
             dict(prompt_token_ids=[5, 6], sampling_params=greedy(logit_bias={3: 1.0, engine.vocab_size: -100})),
-            r"^logit_bias holds token id 49152, outside the vocabulary",
+            r"^logit_bias: token id 49152 is outside the vocabulary",
         ),
     ] + [
         (dict(prompt_token_ids=[5, 6], sampling_params=_bad_params(field, value)), message)

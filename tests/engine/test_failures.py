@@ -96,8 +96,8 @@ def test_a_failing_detokenizer_ends_only_its_request(engine, reference):
 def test_a_request_that_breaks_the_sampler_ends_alone(engine, reference):
     for i, ids in enumerate(PROMPTS[:3]):
         engine.add_request(f"s{i}", prompt_token_ids=ids, sampling_params=greedy())
-    # Past validation, a broken parameter makes the batched sampler raise (a TypeError in its
-    # greedy/random split); the engine then samples row by row and only this row fails.
+    # Past validation, a broken parameter cannot be written into the request's seat of the
+    # persistent batch (a TypeError, kept with the seat): only this row's sampling fails.
     engine.scheduler.requests["s1"].sampling_params.temperature = None
     outputs = run_all(engine)
     assert tokens_of(outputs["s0"]) == reference[0]

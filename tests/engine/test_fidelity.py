@@ -117,7 +117,7 @@ def assert_reference_outputs(got: list[list[int]], reasons: list[str], expected:
 def test_greedy_matches_transformers_generate(tiny_model_factory, family, policy, scenario, variant):
     path = tiny_model_factory(family)
     kwargs, plan = SCENARIOS[scenario]
-    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, scheduling_policy=policy, **kwargs, **variant)
+    llm = LLM(model=path, dtype="float32", **ON_TEST_DEVICE, batching_policy=policy, **kwargs, **variant)
     got, reasons = run_engine(llm, WORKLOAD, plan)
     assert_reference_outputs(got, reasons, reference_tokens(path, WORKLOAD))
     if scenario == "preemption":

@@ -141,7 +141,7 @@ SCENARIOS = {
     "chunked": (dict(max_num_seqs=8, max_num_batched_tokens=24), None),
     # 12 blocks of 16 tokens = 192 token slots for 16 requests of up to 130 tokens each.
     "preempted-continuous": (dict(max_num_seqs=16, num_blocks=12, max_model_len=192), None),
-    "preempted-static": (dict(max_num_seqs=16, num_blocks=12, max_model_len=192, scheduling_policy="static"), None),
+    "preempted-static": (dict(max_num_seqs=16, num_blocks=12, max_model_len=192, batching_policy="static"), None),
 }
 _shared: dict = {}  # compile -> the LLM that "alone", "mixed" and "staggered" share
 
@@ -262,7 +262,7 @@ def test_more_adapters_than_slots_wait_for_one(tiny, policy):
     must not leak into the next) and of the base model, all queued at once: every request ends
     with peft's tokens; at most 2 adapters are loaded and run at any step; the others wait."""
     llm = LLM(model=tiny.base, dtype="float32", **ON_TEST_DEVICE, enable_lora=True, max_loras=2, max_lora_rank=16,
-              max_num_seqs=16, scheduling_policy=policy, compile=False)
+              max_num_seqs=16, batching_policy=policy, compile=False)
     engine = llm.engine
     assert engine.lora_stats()["max_loras"] == 2
     loads = [engine.lora_stats()["num_slot_loads"]]

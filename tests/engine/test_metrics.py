@@ -93,7 +93,7 @@ def test_exposition_has_prefix_and_labels(tiny_llama):
 def test_ingress_refusals_merge_with_the_replicas_series(tiny_llama):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from router.metrics import IngressMetrics, merge_expositions
+    from router.observability.metrics import IngressMetrics, merge_expositions
 
     _, m = make_engine(tiny_llama)
     ingress = IngressMetrics(model_name="tiny", replica="ingress-1")

@@ -61,7 +61,7 @@ def test_tokens_identical_with_caching_on_and_off(tiny_llama, scenario, policy):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = {}
     for caching in (False, True):
-        llm = make(tiny_llama, caching, scheduling_policy=policy, **SCENARIOS[scenario])
+        llm = make(tiny_llama, caching, batching_policy=policy, **SCENARIOS[scenario])
         results[caching] = run_waves(llm, prompts, params)
         stats = llm.engine.stats()
         if caching:

@@ -68,7 +68,7 @@ SCENARIOS = {
 def test_prompt_logprobs_equal_a_transformers_forward(tiny_llama, scenario, policy, variant):
     backend, compile_ = variant
     llm = LLM(
-        model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, block_size=16, scheduling_policy=policy,
+        model=tiny_llama, dtype="float32", **ON_TEST_DEVICE, block_size=16, batching_policy=policy,
         attention_backend=backend, compile=compile_, **SCENARIOS[scenario],
     )
     # Every other request asks; the rest are its neighbours. Outputs long enough to overlap.
@@ -144,6 +144,6 @@ def test_a_prompt_of_max_model_len_tokens_can_be_scored(tiny_llama):
     prompt = (PROMPTS[7] * 2)[:64]
     [out] = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert len(out.prompt_logprobs) == 64 and out.outputs[0].finish_reason == "length"
-    with pytest.raises(ValueError, match="prompt is 64 tokens"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens; the prompt has 64 tokens"):
         llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1))
     assert_idle(llm.engine)

@@ -50,7 +50,7 @@ def _assert_drafts_verified(llm: LLM, *, some_rejected: bool = True) -> None:
 def test_greedy_with_prompt_lookup_matches_transformers_generate(tiny_llama, scenario, policy, compile_):
     """A random model rarely repeats its context, so prompt lookup drafts seldom here (the real
     model's test below drafts all the time); every draft made is verified exactly."""
-    llm = _llm(tiny_llama, NGRAM, scheduling_policy=policy, compile=compile_, **SCENARIOS[scenario])
+    llm = _llm(tiny_llama, NGRAM, batching_policy=policy, compile=compile_, **SCENARIOS[scenario])
     got, reasons = run_engine(llm, WORKLOAD, None)
     assert_reference_outputs(got, reasons, reference_tokens(tiny_llama, WORKLOAD))
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
@@ -65,7 +65,7 @@ def grounded(smollm2_path, smollm2_tokenizer):
     fp32, and transformers' greedy tokens for them (36 each)."""
     from transformers import AutoModelForCausalLM
 
-    from cluster.bench.input_grounded import input_grounded_prompts
+    from cluster.bench.workloads.input_grounded import input_grounded_prompts
 
     prompts = [
         smollm2_tokenizer.apply_chat_template(
@@ -84,8 +84,8 @@ def grounded(smollm2_path, smollm2_tokenizer):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(scheduling_policy="continuous", compile=True, max_num_seqs=4),
-     dict(scheduling_policy="static", compile=False, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=40)],
+    [dict(batching_policy="continuous", compile=True, max_num_seqs=4),
+     dict(batching_policy="static", compile=False, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=40)],
     ids=["continuous-compiled", "static-eager-chunked-preempted"],
 )
 def test_prompt_lookup_on_the_real_model_matches_transformers_generate(smollm2_path, grounded, kwargs):
@@ -245,11 +245,23 @@ def test_speculation_turns_async_scheduling_off_and_bad_drafts_are_refused(tiny_
         _llm(tiny_llama, draft(str(tmp_path / "small")), max_num_seqs=4)
 
 
-def test_a_request_that_breaks_verification_ends_alone(tiny_llama):
-    """A request whose sampling raises (its parameters broken mid-run) ends with an error; the
-    other rows of the step are verified one by one and go on, as without speculation."""
+def test_a_request_that_breaks_verification_ends_alone(tiny_llama, monkeypatch):
+    """A request whose sampling raises (broken mid-run: verifying any rows with it raises) ends with
+    an error; the other rows of the step are verified one by one and go on, as without speculation.
+    (Its settings cannot be broken mid-run: the persistent batch wrote them when it took its seat.)"""
+    from replica.worker import step_sampler
+
     llm = _llm(tiny_llama, draft(tiny_llama, 3), max_num_seqs=4, compile=False)
     engine = llm.engine
+    real_verify, broken = step_sampler.verify, []
+
+    def verify(sampler, logits, metadata, drafts):
+        # The metadata holds each request's own output token list: s1's marks its row.
+        if any(out is b for out in metadata.output_token_ids for b in broken):
+            raise TypeError("injected: s1's row breaks the sampler")
+        return real_verify(sampler, logits, metadata, drafts)
+
+    monkeypatch.setattr(step_sampler, "verify", verify)
     prompts = [[101, 2020, 3030, 4040], [5050, 6060, 7070], [8080, 9090, 1111, 1212, 1313]]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"s{i}", prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0, max_tokens=12))
@@ -259,7 +271,7 @@ def test_a_request_that_breaks_verification_ends_alone(tiny_llama):
             last[out.request_id] = out
         steps += 1
         if steps == 2:  # after the prefill and one verified step
-            engine.scheduler.requests["s1"].sampling_params.temperature = None
+            broken.append(engine.scheduler.requests["s1"].output_token_ids)
     assert last["s1"].finish_reason == "abort" and "TypeError" in last["s1"].error
     assert [(last[r].finish_reason, last[r].num_output_tokens) for r in ("s0", "s2")] == [("length", 12)] * 2
     assert_idle(engine)

@@ -103,13 +103,21 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
     """All requests at once, stepped to the end: the requests, their streamed texts, and for
     each the output tokens it had each time it was preempted."""
     requests = [engine.add_request(None, prompt_token_ids=p, sampling_params=sp) for p, sp in zip(prompts, params)]
+    by_id = {r.request_id: r for r in requests}
     texts = {r.request_id: "" for r in requests}
     preempted_at: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            texts[delta.request_id] += delta.new_text
-        for r in engine.last_scheduler_output.preempted:
-            preempted_at[r.request_id].append(r.num_output_tokens)
+
+    def note_preempted(record) -> None:
+        for request_id in record.preempted:
+            preempted_at[request_id].append(by_id[request_id].num_output_tokens)
+
+    remove_observer = engine.add_step_observer(note_preempted)
+    try:
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                texts[delta.request_id] += delta.new_text
+    finally:
+        remove_observer()
     assert_idle(engine)
     return requests, [texts[r.request_id] for r in requests], [preempted_at[r.request_id] for r in requests]
 
@@ -165,7 +173,7 @@ SCHEDULES = {
     "chunked": dict(max_num_seqs=8, max_num_batched_tokens=16),
     # 9 blocks of 16 tokens for prompts of ~40-50 tokens plus up to 40 outputs: preemption by recompute.
     "preempted": dict(max_num_seqs=8, num_blocks=9, max_model_len=144),
-    "static": dict(max_num_seqs=8, scheduling_policy="static"),
+    "static": dict(max_num_seqs=8, batching_policy="static"),
 }
 _alone: dict[str, list[int]] = {}
 

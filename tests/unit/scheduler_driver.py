@@ -19,12 +19,15 @@ EOS = 2
 FILLER = 1000  # made-up sampled token: never EOS, never a stop id used below
 
 
-def req(rid: str, prompt_len: int, max_tokens: int = 1000, *, ignore_eos: bool = False, **params) -> Request:
+def req(
+    rid: str, prompt_len: int, max_tokens: int = 1000, *, ignore_eos: bool = False, priority: int = 0, **params
+) -> Request:
     return Request(
         request_id=rid,
         prompt_token_ids=[10 + i for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **params),
         eos_token_ids=(EOS,),
+        priority=priority,
     )
 
 
@@ -36,13 +39,16 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 256,
     policy: str = "continuous",
+    scheduling: str = "fcfs",
 ) -> Scheduler:
+    """A scheduler of batching ``policy`` whose waiting queue is in ``scheduling``'s order."""
     return new_scheduler(
         policy,
         BlockManager(num_blocks, block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        scheduling_policy=scheduling,
     )
 
 

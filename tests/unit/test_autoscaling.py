@@ -6,6 +6,7 @@ The served behaviour, on a 2-node Ray cluster with the real model, is in
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -14,15 +15,17 @@ from pydantic import ValidationError
 from cluster.autoscaling import AutoscalingSettings, parse_autoscale
 from cluster.autoscaling.policy import REASONS, Load, decide
 from cluster.config import ServeConfig, format_validation_error
+from tests.unit.autoscaling_sim import Bursts, ClosedLoop, Poisson, Rounds, Sample, Sim
 
 SETTINGS = AutoscalingSettings(max_replicas=4).carpool_kwargs()  # the defaults
 SEATS = 8
 
 
-def load(replicas: int, running: float, waiting: float = 0, wait_s: float = 0.0, kv: float = 0.1, ongoing=None) -> Load:
+def load(replicas: int, running: float, waiting: float = 0, wait_s: float = 0.0, kv: float = 0.1, ongoing=None,
+         queued: float = 0.0) -> Load:
     return Load(
         replicas=replicas, running=running, seats=SEATS * replicas, waiting=waiting, queue_wait_s=wait_s,
-        kv_cache_usage=kv, ongoing=running + waiting if ongoing is None else ongoing,
+        kv_cache_usage=kv, ongoing=running + waiting + queued if ongoing is None else ongoing, queued=queued,
     )
 
 
@@ -50,6 +53,25 @@ def test_full_seats_with_waiting_requests_scale_up_after_the_delay():
     later = decide(busy, 1, 1, 1, 4, SETTINGS, first.state, SETTINGS["upscale_delay_s"])
     # running + waiting = 14 requests need ceil(14 / (8 * 0.9)) = 2 replicas
     assert (later.target, later.reason) == (2, "seats_full_and_waiting")
+
+
+def test_demand_and_not_seat_utilization_scales_up_rounds():
+    """The operator's round (issue 54): 10 requests on 4 seats in three waves (4, 4, 2 running;
+    6, 2, 0 waiting): running / seats averages 0.83, under the 0.9 target, but the demand of
+    running + waiting requests (6) is 1.5 times the seats and the round's waits reached 8.6 s."""
+    rounds = Load(replicas=1, running=10 / 3, seats=4, waiting=8 / 3, queue_wait_s=8.6, kv_cache_usage=0.2, ongoing=6)
+    assert rounds.seat_utilization < SETTINGS["target_seat_utilization"]
+    d = decide(rounds, 1, 1, 1, 2, SETTINGS, {"up_since": 0.0}, SETTINGS["upscale_delay_s"])
+    assert (d.target, d.reason) == (2, "seats_full_and_waiting")
+
+
+def test_requests_queued_at_the_handles_count_as_demand():
+    # Every seat taken, nothing in the engine's queue, 14 requests held in Serve's router.
+    held = load(1, running=SEATS, queued=14, wait_s=2.0)
+    d = decide(held, 1, 1, 1, 4, SETTINGS, {"up_since": 0.0}, 1e6)
+    assert d.target == math.ceil(22 / (SEATS * SETTINGS["target_seat_utilization"]))  # 4
+    # and they block a scale-down however few run
+    assert decide(load(2, running=1, queued=6), 2, 2, 1, 4, SETTINGS, {"down_since": 0.0}, 1e6).target == 2
 
 
 def test_many_tiny_requests_without_waits_do_not_scale_up():
@@ -169,15 +191,108 @@ def test_noise_around_the_thresholds_gives_at_most_one_decision_per_cooldown():
     assert {reason for _, _, reason in trace} <= set(REASONS)
 
 
+# ---- simulated metric streams (tests/unit/autoscaling_sim.py): 4 seats a replica, 300-token requests ----
+GPU_STEP_S = 0.014  # ~70 tokens/s a sequence: a 300-token request holds its seat 4.2 s, as the operator's did
+CPU_STEP_S = 0.1  # a 2-core CPU: 30 s
+
+
+def assert_no_flapping(sim: Sim) -> None:
+    moved = sim.changes()
+    assert len({to > before for _, before, to in moved}) <= 1, moved  # one way only while the load holds
+    assert all(t2 - t1 >= SETTINGS["cooldown_s"] for (t1, *_), (t2, *_) in zip(moved, moved[1:])), moved
+
+
+@pytest.mark.parametrize("step_s", [GPU_STEP_S, CPU_STEP_S])
+def test_rounds_of_ten_long_requests_on_four_seats_scale_up(step_s):
+    """The operator's load (issue 54): 10 clients, 300-token completions, in rounds of 10 (the next
+    round once all ended), on ``--autoscale 1:2 --max-num-seqs 4``."""
+    if step_s == GPU_STEP_S:  # the issue as measured: seat use never reached the old 0.9 target
+        alone = Sim(SETTINGS, step_s=step_s, high=1).run(Rounds(), 200)
+        assert max(l.seat_utilization for t, _, _, l in alone.decisions if t >= 30) < SETTINGS["target_seat_utilization"]
+        assert alone.wait_quantile(0, q=1.0) > 8.0
+    sim = Sim(SETTINGS, step_s=step_s, high=2).run(Rounds(), 300)
+    assert [(before, to) for _, before, to in sim.changes()] == [(1, 2)]
+    assert sim.changes()[0][0] <= 2 * SETTINGS["upscale_delay_s"]
+    # 1:4: sized to the demand (6 on average: 2 replicas at this step rate, 3 at the CPU's, where the
+    # first round's 10 fill the early window), not one replica after another
+    wide = Sim(SETTINGS, step_s=step_s, high=4).run(Rounds(), 600)
+    assert len(wide.changes()) == 1 and wide.target in (2, 3), wide.changes()
+
+
+def test_rounds_then_quiet_scale_back_down_once():
+    sim = Sim(SETTINGS, step_s=GPU_STEP_S, high=2).run(Rounds(until=200), 600)
+    (up_t, *up), (down_t, *down) = sim.changes()
+    assert (up, down) == ([1, 2], [2, 1])
+    assert down_t >= 200 + SETTINGS["downscale_delay_s"]  # the load ended at 200 s
+
+
+@pytest.mark.parametrize("step_s", [GPU_STEP_S, CPU_STEP_S])
+def test_open_loop_poisson_at_one_and_a_half_times_capacity(step_s):
+    capacity = 4 / (301 * step_s)  # requests a second one replica's 4 seats finish
+    sim = Sim(SETTINGS, step_s=step_s, high=4).run(Poisson(1.5 * capacity), 900)
+    moved = sim.changes()
+    assert moved and moved[0][0] <= 90, moved  # the queue builds up slowly: 0.5 x capacity a second
+    assert_no_flapping(sim)
+    assert sim.target >= 2
+    assert sim.wait_quantile(700) < SETTINGS["target_queue_wait_s"]  # the backlog served, waits gone
+
+
+@pytest.mark.parametrize("clients", range(2, 12))
+def test_a_steady_closed_loop_load_changes_once_at_most(clients):
+    """``clients`` back-to-back clients for half an hour: at or under the seats (4) nobody waits and
+    nothing changes; over them (steady overload) one step up to ⌈clients / (0.9 x 4)⌉, then no other."""
+    sim = Sim(SETTINGS, step_s=CPU_STEP_S, high=4).run(ClosedLoop(clients), 1800)
+    expected = 1 if clients <= 4 else min(4, math.ceil(clients / (4 * SETTINGS["target_seat_utilization"])))
+    assert sim.target == expected
+    assert len(sim.changes()) == (expected != 1), sim.changes()
+    if expected > 1:
+        assert sim.wait_quantile(sim.changes()[0][0] + 120) < SETTINGS["target_queue_wait_s"]
+
+
+@pytest.mark.parametrize("shape, step_s, peak_wait_past_target", [
+    (lambda: ClosedLoop(12, tokens=2), GPU_STEP_S, False),  # the bench's burst: 12 clients of 2-token requests
+    (lambda: ClosedLoop(12, tokens=2), CPU_STEP_S, False),
+    (lambda: Bursts(30, tokens=2, every_s=5), GPU_STEP_S, False),  # 30 at once every 5 s
+    (lambda: Bursts(200, tokens=2, every_s=60), GPU_STEP_S, True),  # 200 at once a minute: 2 s waits, briefly
+], ids=["closed-gpu", "closed-cpu", "bursts-30", "bursts-200"])
+def test_bursts_of_tiny_requests_do_not_scale(shape, step_s, peak_wait_past_target):
+    """Many more requests than seats, each through in 3 steps: the seats turn over and the wait's
+    quantile stays under the target; a burst whose waits pass it for a second or two a minute is
+    one sample of the window, which the quantile leaves out (the window's max would scale)."""
+    sim = Sim(SETTINGS, step_s=step_s, high=4).run(shape(), 600)
+    assert max(l.demand for *_, l in sim.decisions) > 2 * 4
+    assert (sim.wait_quantile(0, q=1.0) > SETTINGS["target_queue_wait_s"]) == peak_wait_past_target
+    assert sim.changes() == []
+    assert {reason for _, _, reason, _ in sim.decisions} <= {"within_targets", "up_delay"}
+
+
 def test_load_from_serve_metrics_sums_seats_and_takes_the_worst_wait():
     metrics = {
         "num_slots": {"a": 8.0, "b": 8.0}, "num_running": {"a": 8.0, "b": 4.0}, "num_waiting": {"a": 3.0, "b": 0.0},
         "queue_wait_s": {"a": 2.5, "b": 0.0}, "kv_cache_usage": {"a": 0.5, "b": float("nan")},
     }
-    got = Load.from_metrics(metrics, ongoing=15)
+    got = Load.from_metrics(metrics, ongoing=15, queued=2.0)
     assert (got.replicas, got.running, got.seats, got.waiting, got.queue_wait_s, got.kv_cache_usage) == (2, 12, 16, 3, 2.5, 0.5)
-    assert got.seat_utilization == 0.75
-    assert Load.from_metrics(None, 0).replicas == 0
+    assert (got.seat_utilization, got.queued, got.demand) == (0.75, 2.0, 17.0)
+    assert Load.from_metrics(None, 0, queued=None).replicas == 0
+
+
+def test_the_wait_is_a_high_quantile_of_the_windows_samples_not_its_mean():
+    metrics = {"num_slots": {"a": 4.0, "b": 4.0}, "queue_wait_s": {"a": 3.2, "b": 0.4}}
+
+    def raw(a: list[float], b: list[float], start: float = 100.0) -> dict:
+        return {"queue_wait_s": {"a": [Sample(start + 2 * i, v) for i, v in enumerate(a)],
+                                 "b": [Sample(start + 2 * i, v) for i, v in enumerate(b)]}}
+
+    # a round: 6 of 15 samples at 8 s, the rest 0 (mean 3.2): the quantile keeps the 8 s
+    rounds = raw([8.0] * 6 + [0.0] * 9, [0.4] * 15)
+    assert Load.from_metrics(metrics, 0, raw=rounds).queue_wait_s == 8.0
+    # one sample of a burst in 15: the quantile leaves it out (its max would not)
+    spike = raw([0.0] * 14 + [5.0], [0.4] * 15)
+    assert Load.from_metrics(metrics, 0, raw=spike).queue_wait_s == 0.4
+    # samples older than the window are left out; no samples: the window average
+    assert Load.from_metrics(metrics, 0, raw=raw([9.0] * 5 + [0.5] * 10, [0.0] * 15), since=110.0).queue_wait_s == 0.5
+    assert Load.from_metrics(metrics, 0, raw=None).queue_wait_s == 3.2
 
 
 def test_the_policy_runs_under_serves_wrapper_with_a_context():
@@ -185,31 +300,38 @@ def test_the_policy_runs_under_serves_wrapper_with_a_context():
     ``policy_kwargs``, Serve's wrapper (bounds, delays at 0), a real ``AutoscalingContext``."""
     from ray.serve._private.autoscaling_state import _resolve_policy_callable
     from ray.serve._private.common import DeploymentID
+    from ray.serve._private.common import TimeStampedValue
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-    settings = AutoscalingSettings(max_replicas=3, upscale_delay_s=0, cooldown_s=0)
+    settings = AutoscalingSettings(max_replicas=3, upscale_delay_s=0, cooldown_s=0, look_back_period_s=20)
     config = AutoscalingConfig(**settings.serve_options())
     policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))
 
-    def context(running: dict, waiting: dict, wait: dict, state: dict, target: int = 1) -> AutoscalingContext:
+    def context(running: dict, waiting: dict, wait: dict, state: dict, target: int = 1, queued: float = 0.0) -> AutoscalingContext:
         replicas = list(running)
         return AutoscalingContext(
             deployment_id=DeploymentID(name="LLMReplica", app_name="t"), deployment_name="LLMReplica", app_name="t",
             current_num_replicas=len(replicas), target_num_replicas=target, running_replicas=replicas,
-            total_num_requests=sum(running.values()) + sum(waiting.values()), total_queued_requests=0,
+            total_num_requests=sum(running.values()) + sum(waiting.values()) + queued, total_queued_requests=queued,
             aggregated_metrics={
                 "num_slots": {r: 4.0 for r in replicas}, "num_running": running, "num_waiting": waiting,
-                "queue_wait_s": wait, "kv_cache_usage": {r: 0.2 for r in replicas},
+                "queue_wait_s": {r: w / 3 for r, w in wait.items()}, "kv_cache_usage": {r: 0.2 for r in replicas},
             },
-            raw_metrics=None, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3,
+            # a third of the window's samples at the wait; 5 samples at 9 s from before the window (30-50 s)
+            raw_metrics={"queue_wait_s": {
+                r: [TimeStampedValue(20.0 + i, 9.0) for i in range(5)] + [TimeStampedValue(40.0 + i, w if i < 3 else 0.0) for i in range(9)]
+                for r, w in wait.items()
+            }},
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=3,
             policy_state=state, last_scale_up_time=None, last_scale_down_time=None, current_time=50.0, config=config,
         )
 
     target, state = policy(context({"r1": 4.0}, {"r1": 6.0}, {"r1": 2.0}, {}))
-    assert target == 3  # 10 requests at 0.9 of 4 seats need 3 replicas
-    target, _ = policy(context({"r1": 1.0}, {"r1": 0.0}, {"r1": 0.0}, {}))
-    assert target == 1
+    assert target == 3  # 10 requests at 0.9 of 4 seats need 3 replicas (the wait's mean, 0.67 s, would hold)
+    assert policy(context({"r1": 3.0}, {"r1": 0.0}, {"r1": 2.0}, {}, queued=3.0))[0] == 2  # 6 with the handle's
+    target, _ = policy(context({"r1": 4.0}, {"r1": 2.0}, {"r1": 0.0}, {}))
+    assert target == 1  # demand 6, but nobody waited in the window (the 9 s samples are older)
 
 
 def test_settings_refuse_bad_values_naming_them():
@@ -263,7 +385,7 @@ def test_health_is_ok_at_zero_replicas_only_when_autoscaled_there():
     import asyncio
     import time
 
-    from router.replica_view import DeploymentView, ReplicaView
+    from router.dispatch.replica_view import DeploymentView, ReplicaView
 
     def health(status: str, least) -> bool:
         view = ReplicaView(None, seats=4, waiting=4)
@@ -276,7 +398,7 @@ def test_health_is_ok_at_zero_replicas_only_when_autoscaled_there():
 
 
 def test_the_record_keeps_the_reason_of_the_last_change():
-    from router.autoscaler_record import AutoscalerRecord
+    from router.observability.autoscaler_record import AutoscalerRecord
 
     record = AutoscalerRecord("app")
     assert record.exposition() == ""  # no series before the first decision

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from cluster.bench import input_grounded as ig
-from cluster.bench import spec_decode as sd
+from cluster.bench.engine import spec_decode as sd
+from cluster.bench.workloads import input_grounded as ig
 
 
 def test_input_grounded_is_deterministic_and_varied():
@@ -47,7 +47,7 @@ def test_input_grounded_prompts_hold_the_document_the_answer_repeats():
 def test_input_grounded_lengths_with_smollm2(smollm2_tokenizer):
     """Prompts of 150 to 400 tokens with the chat template (as the bench sends them); each answer
     is longer than its max_tokens, so a request ends while the model is still copying."""
-    from cluster.bench.workloads import tokenize
+    from cluster.bench.workloads.base import tokenize
 
     prompts = ig.input_grounded_prompts(24, seed=0)
     requests = ig.input_grounded(24, seed=0)
@@ -58,8 +58,8 @@ def test_input_grounded_lengths_with_smollm2(smollm2_tokenizer):
 
 
 def test_workload_is_offered_by_the_benches():
-    from cluster.bench.serve import bench_prompts
-    from cluster.bench.workloads import BUILTIN_WORKLOADS
+    from cluster.bench.serving.serve import bench_prompts
+    from cluster.bench.workloads.base import BUILTIN_WORKLOADS
 
     assert "input-grounded" in BUILTIN_WORKLOADS
     pairs = bench_prompts("input-grounded", 4, seed=2)
@@ -68,7 +68,8 @@ def test_workload_is_offered_by_the_benches():
 
 
 def test_bench_cli_checks_the_speculative_config_before_anything_starts(monkeypatch, capsys):
-    from cluster.bench import main, offline, profile
+    from cluster.bench import main
+    from cluster.bench.engine import offline, profile
 
     seen = {}
     monkeypatch.setattr(offline, "offline_main", lambda workload, **kw: seen.update(workload=workload, **kw))
@@ -88,10 +89,10 @@ def test_bench_cli_checks_the_speculative_config_before_anything_starts(monkeypa
     assert seen["profile"]["workload"] == "input-grounded" and seen["profile"]["speculative_config"]["num_speculative_tokens"] == 2
 
     for bad, named in [
-        ('{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}', "  lookahead: Extra inputs are not permitted"),
-        ('{"method": "ngram", "num_speculative_tokens": 99}', "  num_speculative_tokens: Input should be less than or equal to 16"),
-        ('{"method": "medusa", "num_speculative_tokens": 2}', "  method: Input should be 'ngram' or 'draft_model'"),
-        ('{"num_speculative_tokens": 2}', "  method: Field required"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}', "speculative_config.lookahead (--speculative-config): Extra inputs are not permitted"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative_config.num_speculative_tokens (--speculative-config): Input should be less than or equal to 16"),
+        ('{"method": "medusa", "num_speculative_tokens": 2}', "speculative_config.method (--speculative-config): Input should be 'ngram' or 'draft_model'"),
+        ('{"num_speculative_tokens": 2}', "speculative_config.method (--speculative-config): Field required"),
         ('{"method": "ngram", num_speculative_tokens: 2}', "--speculative-config is not valid JSON"),
         ('"ngram"', "--speculative-config must be a JSON object"),
     ]:
@@ -145,7 +146,7 @@ def test_acceptance_from_a_servers_metrics():
 
 
 def test_serve_bench_table_reports_acceptance():
-    from cluster.bench.serve_report import format_table, summarize
+    from cluster.bench.serving.serve_report import format_table, summarize
 
     run = sd.with_rates({"num_drafts": 100, "num_draft_tokens": 400, "num_accepted_tokens": 150})
     summary = summarize([], 1.0, url="u", model="m", request_rate=float("inf"), workload="input-grounded", seed=0,

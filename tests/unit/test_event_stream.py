@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.responses import EventStream as _EventStream
+from router.response.responses import EventStream as _EventStream
 
 
 def _respond(response, send) -> None:
@@ -53,7 +53,7 @@ def test_a_frame_stays_one_line_whatever_its_text_holds():
     """A streamed echo of the prompt '\\x85' broke the frame for any client that splits lines the
     way str.splitlines() does (found by the e2e fuzzer): JSON leaves U+0085, U+2028 and U+2029
     raw. They are escaped, and the frame decodes to the same text."""
-    from router.responses import sse_frames
+    from router.response.responses import sse_frames
 
     text = "a\x85b\u2028c\u2029d\ne\r\x0bf\x1cg\x1dh\x1ei é 漢"
 

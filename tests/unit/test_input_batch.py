@@ -4,10 +4,11 @@ and KV slots of every scheduled token, rows kept across steps and freed when for
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from replica.attention.backend import to_device
-from replica.core.request import Request
+from replica.core.request import Request, RequestStatus
 from replica.core.scheduler_output import ScheduledRequest
 from replica.protocol.sampling_params import SamplingParams
 from replica.worker.input_batch import InputBatch
@@ -104,3 +105,93 @@ def test_min_rows_pads_the_tokens_and_the_logits_rows_of_a_small_step():
     big = [ScheduledRequest(_request(f"b{i}", [1, 2], [i]), 0, 2, True) for i in range(3)]
     step = batch.prepare(big, pad=False, min_rows=4)
     assert step.sequences.num_tokens == 6 and step.logits_indices.tolist() == [1, 3, 5, 5]
+
+
+# ---- the sampling half: settings per seat (replica/worker/sampling_batch.py) --------------------
+
+
+def _sampling_request(rid: str, **params) -> Request:
+    request = Request(request_id=rid, prompt_token_ids=[4, 5, 6], sampling_params=SamplingParams(**params),
+                      eos_token_ids=(2,))
+    request.block_ids = [1]
+    return request
+
+
+def test_a_request_s_sampling_settings_are_written_when_it_takes_a_seat_and_cleared_when_it_leaves():
+    batch = InputBatch(max_rows=3, max_model_len=64, block_size=4, padding_slot=99)
+    a = _sampling_request("a", temperature=0.0, logprobs=3, min_tokens=2, stop_token_ids=[9])
+    b = _sampling_request("b", temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
+                          logit_bias={7: -100.0, 3: 2.5}, ignore_eos=True, seed=11)
+    step = batch.prepare([ScheduledRequest(a, 0, 3, True), ScheduledRequest(b, 0, 3, True)], pad=False)
+    seats = batch.sampling
+    # b first, a second: the order of the rows, not of the seats.
+    rows = seats.gather(step.seats[[1, 0]])
+    assert rows.greedy.tolist() == [False, True]
+    assert rows.temperature.tolist() == pytest.approx([0.7, 0.0])
+    assert rows.top_k.tolist() == [5, 0] and rows.top_p.tolist() == pytest.approx([0.9, 1.0])
+    assert rows.min_p.tolist() == pytest.approx([0.1, 0.0])
+    assert rows.penalized.tolist() == [True, False] and rows.repetition_penalty.tolist() == pytest.approx([1.3, 1.0])
+    assert rows.num_logprobs.tolist() == [-1, 3] and rows.min_tokens.tolist() == [0, 2]
+    assert rows.has_bias.tolist() == [True, False] and rows.logit_bias[1] is None
+    assert rows.logit_bias[0].token_ids.tolist() == [7, 3] and rows.logit_bias[0].biases.tolist() == [-100.0, 2.5]
+    assert rows.end_ids == [frozenset(), frozenset({2, 9})]  # b ignores EOS and has no stop ids
+    assert rows.prompt_token_ids[0].tolist() == [4, 5, 6] and rows.prompt_token_ids[1] is None
+    assert rows.generators[1] is None and isinstance(rows.generators[0], torch.Generator)
+    # The output tokens are the request's own list: what the scheduler appends is seen.
+    a.output_token_ids.append(8)
+    assert seats.gather(step.seats[:1]).output_token_ids == [[8]]
+    # A seat's settings are written once: a later step gathers the same objects.
+    again = batch.prepare([ScheduledRequest(b, 3, 1, True)], pad=False)
+    assert seats.gather(again.seats).generators[0] is rows.generators[0]
+    b.status = a.status = RequestStatus.FINISHED
+    batch.forget("b")
+    batch.forget("a")
+    assert seats.num_parked == 0
+    fresh = batch.prepare([ScheduledRequest(_sampling_request("c"), 0, 3, True)], pad=False)
+    plain = seats.gather(fresh.seats)
+    assert plain.greedy.tolist() == [False] and plain.generators == [None] and plain.has_bias.tolist() == [False]
+
+
+def test_a_preempted_request_keeps_its_generator_and_a_finished_one_drops_it():
+    batch = InputBatch(max_rows=2, max_model_len=64, block_size=4, padding_slot=99)
+    r = _sampling_request("r", seed=5)
+    step = batch.prepare([ScheduledRequest(r, 0, 3, True)], pad=False)
+    generator = batch.sampling.gather(step.seats).generators[0]
+    torch.rand(3, generator=generator)  # a few draws
+    state = generator.get_state()
+    r.status = RequestStatus.WAITING  # preempted
+    batch.forget("r")
+    assert batch.sampling.num_parked == 1
+    batch.forget("r")  # released again while waiting: still kept
+    assert batch.sampling.num_parked == 1
+    r.status = RequestStatus.RUNNING
+    step = batch.prepare([ScheduledRequest(r, 0, 3, True)], pad=False)
+    back = batch.sampling.gather(step.seats).generators[0]
+    assert back is generator and torch.equal(back.get_state(), state)  # drawing goes on where it was
+    r.status = RequestStatus.FINISHED
+    batch.forget("r")
+    assert batch.sampling.num_parked == 0
+    # Preempted, then aborted while waiting (released without a seat): dropped too.
+    s = _sampling_request("s", seed=6)
+    batch.prepare([ScheduledRequest(s, 0, 3, True)], pad=False)
+    s.status = RequestStatus.WAITING
+    batch.forget("s")
+    assert batch.sampling.num_parked == 1
+    s.status = RequestStatus.FINISHED
+    batch.forget("s")
+    assert batch.sampling.num_parked == 0
+
+
+def test_settings_that_cannot_be_written_stay_with_the_seat():
+    """Past validation, a broken setting does not fail the step's inputs: the seat holds the error
+    (the step sampler fails that row alone) and its batch mates gather as usual."""
+    batch = InputBatch(max_rows=2, max_model_len=64, block_size=4, padding_slot=99)
+    broken, fine = _sampling_request("x"), _sampling_request("y", seed=3)
+    broken.sampling_params.temperature = None
+    step = batch.prepare([ScheduledRequest(broken, 0, 3, True), ScheduledRequest(fine, 0, 3, True)], pad=False)
+    seats = batch.sampling
+    assert isinstance(seats.error_of(int(step.seats[0])), TypeError) and seats.error_of(int(step.seats[1])) is None
+    assert seats.num_errors == 1 and seats.gather(step.seats[1:]).generators[0] is not None
+    broken.status = RequestStatus.FINISHED
+    batch.forget("x")
+    assert seats.num_errors == 0

@@ -5,7 +5,15 @@
 * Inside replica, its packages in layers, lowest first: ``config`` < ``protocol`` < ``core`` <
   ``kernels`` < ``attention`` < ``sample`` < ``lora`` < ``worker`` < ``spec_decode`` < ``engine`` < ``serve``; ``replica``'s own
   ``__init__`` (the public names) sits on top of them.
+* Inside router, lowest first: its settings (the module ``router.config``) < ``observability`` <
+  ``routing`` < ``request`` < ``lora`` < ``dispatch`` < ``response``; its top-level modules
+  (``ingress``, ``ray_compat``) and its own ``__init__`` sit on top of them.
+* Inside cluster.bench, lowest first: ``workloads`` (the request sets) < ``engine`` (the in-process
+  benches) < ``serving`` (the benches over HTTP); its top-level modules (``cli``, ``options``,
+  ``__main__``) and its own ``__init__`` sit on top of them.
 * ``replica.protocol`` and ``replica.core`` import no torch (nor NumPy); only ``replica.serve`` imports Ray.
+* ``replica.sample`` imports nothing of ``replica.core`` (the scheduler's request state): the sampler
+  reads a step's ``SamplingMetadata``, which the worker's persistent batch builds.
 * The router imports of the engine only its protocol (``replica.protocol``), its config
   (``replica.config``) and its Serve entry (the ``replica.serve`` package's own names).
 * No module imports a private (``_``-prefixed) name from a module of another package.
@@ -26,6 +34,9 @@ ENGINE_PACKAGES = (
     "config", "protocol", "core", "kernels", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
 )
 ENGINE_LAYER = {name: rank for rank, name in enumerate(ENGINE_PACKAGES)}
+ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response")
+ROUTER_LAYER = {name: rank for rank, name in enumerate(ROUTER_PACKAGES)}
+ROUTER_MODULE_LAYERS = ("config",)  # modules, not packages: router/config.py, the settings every layer reads
 ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself
 
 
@@ -89,9 +100,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_known_imports():
     graph = import_graph()
     assert "replica.engine.llm_engine" in graph["replica.engine.async_engine"]
-    assert "cluster.bench.offline" in graph["cluster.bench.cli"]  # deferred, inside a function
+    assert "cluster.bench.engine.offline" in graph["cluster.bench.cli"]  # deferred, inside a function
     assert "replica.config.engine_config" in graph["cluster.config"]
     assert "replica.serve" in graph["router.ingress"]  # deferred; a package's own __init__
+    assert "router.request.preparation" in graph["router.dispatch.fanout"]
 
 
 def external_imports(path: Path) -> set[str]:
@@ -149,6 +161,58 @@ def test_core_and_protocol_import_no_torch_and_only_serve_imports_ray():
     assert not found, "\n".join(found)
 
 
+SAMPLE_MAY_NOT_IMPORT = "replica.core"  # and its modules (replica.core.request above all)
+
+
+def sample_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if engine_package(module) == "sample"
+        for target in targets
+        if target == SAMPLE_MAY_NOT_IMPORT or target.startswith(SAMPLE_MAY_NOT_IMPORT + ".")
+    )
+
+
+def test_the_sampler_does_not_import_the_scheduler_s_request_state():
+    found = sample_violations(import_graph())
+    assert not found, "replica.sample reads SamplingMetadata, not the scheduler's requests:\n" + "\n".join(found)
+
+
+def router_package(module: str) -> str | None:
+    """The layer of ``router`` that ``module`` belongs to (``"request"``, ..., ``"config"`` for
+    ``router.config``); ``"router"`` for the top (``router.ingress``, the package's own ``__init__``);
+    None outside the router."""
+    parts = module.split(".")
+    if parts[0] != "router":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ROUTER_LAYER else "router"
+
+
+def test_every_router_package_has_a_layer():
+    found = {p.parent.name for p in (ROOT / "router").glob("*/__init__.py")}
+    assert found == set(ROUTER_PACKAGES) - set(ROUTER_MODULE_LAYERS), "give each package of router/ a layer in ROUTER_PACKAGES"
+    assert all((ROOT / "router" / f"{name}.py").is_file() for name in ROUTER_MODULE_LAYERS)
+
+
+def router_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in graph.items():
+        own = router_package(module)
+        for target in targets:
+            other = router_package(target)
+            if own is None or other is None or own == other or own == "router":
+                continue
+            if other == "router" or ROUTER_LAYER[other] > ROUTER_LAYER[own]:
+                found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_router_packages_import_only_lower_layers():
+    upward = router_layer_violations(import_graph())
+    assert not upward, "a router package imports a higher one:\n" + "\n".join(upward)
+
+
 def router_violations(graph: dict[str, set[str]]) -> list[str]:
     return sorted(
         f"{module} imports {target}"
@@ -196,6 +260,16 @@ def test_the_boundary_checks_catch_violations(tmp_path):
         "router.ingress imports replica.engine.metrics"
     ]
     assert router_violations({"router.ingress": {"replica.serve.deployment"}})  # not the entry itself
+    assert router_layer_violations({"router.request.preparation": {"router.dispatch.fanout", "router.config"}}) == [
+        "router.request.preparation imports router.dispatch.fanout"
+    ]
+    assert router_layer_violations({"router.config": {"router.request.tool_templates"}})  # the settings sit lowest
+    assert router_layer_violations({"router.response.responses": {"router.ingress"}})  # the app sits on top
+    assert router_layer_violations({"router.ingress": {"router.response.responses", "router.config"}}) == []
+    assert sample_violations({"replica.sample.sampler": {"replica.core.request", "replica.protocol.outputs"}}) == [
+        "replica.sample.sampler imports replica.core.request"
+    ]
+    assert sample_violations({"replica.worker.sampling_batch": {"replica.core.request"}}) == []
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "a" / "x.py").write_text("_secret = 1\n")
@@ -225,3 +299,54 @@ def test_no_import_cycle():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+BENCH_PACKAGES = ("workloads", "engine", "serving")  # cluster.bench's packages, lowest first
+BENCH_LAYER = {name: rank for rank, name in enumerate(BENCH_PACKAGES)}
+
+
+def bench_package(module: str) -> str | None:
+    """The package of ``cluster.bench`` that ``module`` belongs to (``"engine"``, ...); ``"bench"``
+    for the top (``cli``, ``options``, ``__main__``, the package's own ``__init__``); None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["cluster", "bench"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in BENCH_LAYER else "bench"
+
+
+def test_every_bench_package_has_a_layer():
+    found = {p.parent.name for p in (ROOT / "cluster" / "bench").glob("*/__init__.py")}
+    assert found == set(BENCH_PACKAGES), "give each package of cluster/bench/ a layer in BENCH_PACKAGES"
+
+
+def bench_layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in graph.items():
+        own = bench_package(module)
+        for target in targets:
+            other = bench_package(target)
+            if own is None or other is None or own == other or own == "bench":
+                continue
+            if other == "bench" or BENCH_LAYER[other] > BENCH_LAYER[own]:
+                found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_bench_packages_import_only_lower_layers():
+    upward = bench_layer_violations(import_graph())
+    assert not upward, "a cluster.bench package imports a higher one:\n" + "\n".join(upward)
+
+
+def test_the_bench_layer_check_catches_violations():
+    assert bench_layer_violations({"cluster.bench.workloads.base": {"cluster.bench.engine.runner"}}) == [
+        "cluster.bench.workloads.base imports cluster.bench.engine.runner"
+    ]
+    assert bench_layer_violations({"cluster.bench.engine.offline": {"cluster.bench.serving.serve"}})
+    assert bench_layer_violations({"cluster.bench.serving.serve": {"cluster.bench.options"}})  # the commands sit on top
+    assert bench_layer_violations({"cluster.bench.serving.serve": {"cluster.bench"}})
+    assert bench_layer_violations({
+        "cluster.bench.serving.serve": {"cluster.bench.engine.spec_decode", "cluster.bench.workloads.base", "cluster.config"},
+        "cluster.bench.engine.offline": {"cluster.bench.engine.runner", "replica.engine.llm_engine"},
+        "cluster.bench.cli": {"cluster.bench.serving.serve", "cluster.bench.options"},
+        "cluster.cli": {"cluster.bench.cli"},
+    }) == []

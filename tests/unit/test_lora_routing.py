@@ -11,10 +11,12 @@ from types import SimpleNamespace
 
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.prefix_hash import ROOT
-from router.routing.lora_affinity import LoRAAffinity, lora_of
+from replica.protocol.envelope import RoutingHints
+from router.routing.lora_affinity import LoRAAffinity
 from router.routing.policy import rank_replicas, replica_key
-from router.routing.prefix_affinity import PrefixAffinity, hash_root_of
+from router.routing.prefix_affinity import PrefixAffinity
 from tests.unit.test_policy import FakeReplica, finish, make_router, stats
+from tests.unit.test_policy import pending as base_pending
 
 
 def lora(name: str) -> LoRARequest:
@@ -22,9 +24,7 @@ def lora(name: str) -> LoRARequest:
 
 
 def pending(request_id: str, prompt: list[int] | None, adapter: str | None) -> SimpleNamespace:
-    args = ["rid-" + request_id, prompt, object()] if prompt is not None else []
-    kwargs = {"lora_request": lora(adapter)} if adapter is not None else {}
-    return SimpleNamespace(args=args, kwargs=kwargs, metadata=SimpleNamespace(internal_request_id=request_id))
+    return base_pending(request_id, prompt, lora(adapter) if adapter is not None else None)
 
 
 def route(router, replicas, request, complete: bool = True) -> FakeReplica:
@@ -36,11 +36,11 @@ def route(router, replicas, request, complete: bool = True) -> FakeReplica:
     return chosen
 
 
-def test_lora_of_and_hash_root_of_read_the_calls_keyword():
-    assert lora_of({"lora_request": lora("sql")}) == "sql"
-    assert lora_of({}) is None and lora_of(None) is None and lora_of({"lora_request": None}) is None
-    assert hash_root_of({"lora_request": lora("sql")}) == lora("sql").hash_root != ROOT
-    assert hash_root_of({}) == ROOT
+def test_routing_hints_name_the_adapter_and_root_its_hashes():
+    assert RoutingHints.of([1] * 8, 4, lora("sql")).adapter == "sql"
+    assert RoutingHints.of([1] * 8, 4).adapter is None
+    assert RoutingHints.of([1] * 8, 4).prefix_hashes == tuple(PrefixAffinity.hashes([1] * 8, 4, ROOT))
+    assert RoutingHints.of([1] * 8, 4, lora("sql")).prefix_hashes == tuple(PrefixAffinity.hashes([1] * 8, 4, lora("sql").hash_root))
     prompt = list(range(40))
     base = PrefixAffinity.hashes(prompt, 4)
     under = PrefixAffinity.hashes(prompt, 4, lora("sql").hash_root)

@@ -34,5 +34,5 @@ def test_the_wheel_carries_the_kernel_sources_and_templates(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for source in SOURCES:
         assert f"replica/kernels/csrc/{source.name}" in names
-    assert "router/templates/chatml_tools.jinja" in names
+    assert "router/request/templates/chatml_tools.jinja" in names
     assert "cluster/bench/__init__.py" in names

@@ -82,7 +82,10 @@ import asyncio  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 from router.routing.policy import CarpoolRequestRouter  # noqa: E402
-from router.routing.prefix_affinity import DEFAULT_BLOCK_SIZE, PrefixAffinity, prompt_of  # noqa: E402
+from replica.protocol.envelope import RequestEnvelope, RoutingHints  # noqa: E402
+from replica.protocol.lora_request import LoRARequest  # noqa: E402
+from replica.protocol.sampling_params import SamplingParams  # noqa: E402
+from router.routing.prefix_affinity import PrefixAffinity  # noqa: E402
 
 
 def test_longest_match_wins_among_free_seat_replicas():
@@ -176,8 +179,8 @@ def test_with_matches_the_first_choice_still_has_a_free_seat_if_any_replica_has_
 
 
 def hashes_of(n_blocks: int, seed: int = 0) -> list[bytes]:
-    prompt = [(seed * 1000 + i) % 50000 for i in range(n_blocks * DEFAULT_BLOCK_SIZE + 3)]
-    return PrefixAffinity.hashes(prompt, DEFAULT_BLOCK_SIZE)
+    prompt = [(seed * 1000 + i) % 50000 for i in range(n_blocks * 16 + 3)]
+    return PrefixAffinity.hashes(prompt, 16)
 
 
 def test_affinity_match_counts_leading_blocks_only():
@@ -186,12 +189,12 @@ def test_affinity_match_counts_leading_blocks_only():
     assert len(h) == 6 and aff.match("r", h) == 0
     aff.record("r", h[:4])
     assert aff.match("r", h) == 4
-    prompt = [i % 50000 for i in range(6 * DEFAULT_BLOCK_SIZE + 3)]
-    other_start = PrefixAffinity.hashes([7] * DEFAULT_BLOCK_SIZE + prompt[DEFAULT_BLOCK_SIZE:], DEFAULT_BLOCK_SIZE)
+    prompt = [i % 50000 for i in range(6 * 16 + 3)]
+    other_start = PrefixAffinity.hashes([7] * 16 + prompt[16:], 16)
     assert aff.match("r", other_start) == 0  # chained hashes: equal blocks after another first block differ
     assert aff.match("other", h) == 0
-    assert PrefixAffinity.hashes([1] * (DEFAULT_BLOCK_SIZE - 1), DEFAULT_BLOCK_SIZE) == []
-    assert PrefixAffinity.hashes(None, DEFAULT_BLOCK_SIZE) == []
+    assert PrefixAffinity.hashes([1] * (16 - 1), 16) == []
+    assert PrefixAffinity.hashes(None, 16) == []
 
 
 def test_affinity_lru_is_bounded_by_the_replicas_kv_pool():
@@ -225,13 +228,6 @@ def test_affinity_forgets_dead_and_removed_replicas_and_confirms_once():
     assert aff.confirm("req-1", "b") is False and aff.size("b") == 0  # confirmed once only
 
 
-def test_prompt_of_reads_generate_calls_only():
-    assert prompt_of(["rid", [1, 2, 3], object()]) == [1, 2, 3]
-    assert prompt_of(["rid", [1, 2], object(), True]) == [1, 2]
-    assert prompt_of([], {"prompt_token_ids": [4, 5]}) == [4, 5]
-    assert prompt_of(["the server is shutting down"]) is None  # broadcast abort_all
-    assert prompt_of([]) is None and prompt_of(None) is None
-    assert prompt_of(["rid", [], object()]) is None
 
 
 # ---- the router itself, with fake replicas (no Ray cluster) -------------------------------------
@@ -263,9 +259,25 @@ def make_router(replicas, **kwargs) -> CarpoolRequestRouter:
     return router
 
 
-def pending(request_id: str, prompt: list[int] | None) -> SimpleNamespace:
-    args = ["rid-" + request_id, prompt, object()] if prompt is not None else []
-    return SimpleNamespace(args=args, kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+BLOCK_SIZE = 4  # the fake replicas' block_size
+
+
+def pending(request_id: str, prompt: list[int] | None, adapter: LoRARequest | None = None) -> SimpleNamespace:
+    """A pending Serve request as the ingress makes it: ``generate(request=<envelope>, ...)``; with
+    neither a prompt nor an adapter, a call of another method (``model_info``); an adapter without a
+    prompt gets a one-token prompt (no full block: no prefix hashes)."""
+    if prompt is None and adapter is None:
+        return SimpleNamespace(
+            args=[], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id, call_method="model_info")
+        )
+    prompt = [1] if prompt is None else prompt
+    envelope = RequestEnvelope(
+        "rid-" + request_id, prompt, SamplingParams(), RoutingHints.of(prompt, BLOCK_SIZE, adapter), lora_request=adapter
+    )
+    return SimpleNamespace(
+        args=[], kwargs={"request": envelope, "announce": True, "channel": None},
+        metadata=SimpleNamespace(internal_request_id=request_id, call_method="generate"),
+    )
 
 
 def route(router, replicas, request, complete: bool = True) -> FakeReplica:

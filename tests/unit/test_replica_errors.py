@@ -1,4 +1,4 @@
-"""How the ingress answers each way a replica request can fail (``router.errors.replica_error``).
+"""How the ingress answers each way a replica request can fail (``router.request.errors.replica_error``).
 
 The exceptions are the real ones, as they reach the ingress: the replica's own exception wrapped
 by Ray (``RayTaskError``, which keeps it as ``cause`` and is an instance of its class), or Ray's
@@ -11,7 +11,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from replica.protocol.errors import EngineDeadError, LoRAAdapterError, RequestAbortedError, RequestFailedError
-from router.errors import replica_error as _replica_error
+from router.request.errors import replica_error as _replica_error
 
 
 def from_replica(exc: BaseException) -> BaseException:

@@ -1,12 +1,17 @@
 """Sampler: greedy, seeded sampling, truncation, penalties, min_tokens, logit_bias, logprobs.
 
 Every test runs with both draws of random rows: the exponential race (torch; CUDA, or CPU without
-Carpool's kernels) and the inversion kernel (``carpool_cpu::sample_rows``, CPU)."""
+Carpool's kernels) and the inversion kernel (``carpool_cpu::sample_rows``, CPU). The sampler's
+inputs are built as the engine builds them: the requests take seats of a persistent
+:class:`SamplingBatch`, which gathers their :class:`SamplingMetadata` (and keeps a seeded
+request's generator across calls, as across a preemption)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -26,30 +31,51 @@ from replica.sample.logits_processors import (
     apply_penalties,
     apply_top_k_top_p,
 )
+from replica.sample.metadata import SamplingMetadata
 from replica.sample.sampler import Sampler
+from replica.worker.sampling_batch import SamplingBatch
 
 VOCAB = 64
 EOS = 2
 
 
+_ids = itertools.count()
+
+
 def make_request(prompt=(5, 6, 7), output=(), eos=(EOS,), **params) -> Request:
-    sp = SamplingParams(**params)
-    generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
     return Request(
-        request_id="r",
+        request_id=f"r{next(_ids)}",
         prompt_token_ids=list(prompt),
-        sampling_params=sp,
+        sampling_params=SamplingParams(**params),
         eos_token_ids=tuple(eos),
         output_token_ids=list(output),
-        generator=generator,
     )
+
+
+_seats = SamplingBatch(8192)
+
+
+def metadata_of(requests: list[Request]) -> SamplingMetadata:
+    """The requests' metadata, gathered from seats ``0..n-1``, which are freed again; the requests
+    are ``WAITING``, so a seeded one keeps its generator for the next call (as when preempted)."""
+    for seat, request in enumerate(requests):
+        _seats.add(seat, request)
+    try:
+        return _seats.gather(np.arange(len(requests)))
+    finally:
+        for seat in range(len(requests)):
+            _seats.remove(seat)
 
 
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-sampler = Sampler()
+_sampler = Sampler()
+
+
+def sampler(logits: torch.Tensor, requests: list[Request]):
+    return _sampler(logits, metadata_of(requests))
 
 
 @pytest.fixture(autouse=True, params=["race", "inversion"])
@@ -237,7 +263,7 @@ def test_apply_penalties_changes_exactly_the_expected_logits():
             prompt=[5], output=[2, 2, 1], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=-1.0
         ),
     ]
-    out = apply_penalties(logits.clone(), reqs)
+    out = apply_penalties(logits.clone(), metadata_of(reqs))
     expected = torch.tensor(
         [
             [0.5, -2.0, 2.0, -4.0, 0.5, 3.0],  # tokens 0, 1, 3 seen (prompt + output)
@@ -265,7 +291,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     ]
     out = sampler(logits, reqs)
     assert out.token_ids == [9, EOS, 4, EOS, 4]
-    masked = apply_min_tokens(logits.clone(), reqs)
+    masked = apply_min_tokens(logits.clone(), metadata_of(reqs))
     assert math.isinf(masked[0, EOS]) and not math.isinf(masked[1, EOS]) and not math.isinf(masked[3, EOS])
     assert math.isinf(masked[2, 9]) and math.isinf(masked[3, 9])
 
@@ -306,7 +332,7 @@ def test_apply_logit_bias_adds_exactly_the_biases():
         make_request(),  # no bias: untouched
         make_request(logit_bias={0: 100, 63: -1.0}),
     ]
-    out = apply_logit_bias(logits.clone(), reqs)
+    out = apply_logit_bias(logits.clone(), metadata_of(reqs))
     expected = logits.clone()
     expected[0, 4] += 2.5
     expected[0, 9] -= 100

@@ -42,8 +42,10 @@ def test_scheduler_modules_do_not_import_torch():
 
 
 def test_bad_policy_raises():
-    with pytest.raises(ValueError, match="scheduling_policy"):
+    with pytest.raises(ValueError, match="batching_policy"):
         make_scheduler(policy="fifo")
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+        make_scheduler(scheduling="fifo")
 
 
 def test_empty_scheduler_does_not_count_a_step():
@@ -60,7 +62,7 @@ def test_add_request_rejects_duplicate_id_and_too_long_prompt():
     sched.add_request(req("a", 3))
     with pytest.raises(ValueError, match="request_id 'a' is already in use"):
         sched.add_request(req("a", 3))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 8 tokens"):
         sched.add_request(req("b", 8))  # no room for one output token
     sched.add_request(req("c", 7))  # exactly one output token fits
     assert ids(sched.waiting) == ["a", "c"]

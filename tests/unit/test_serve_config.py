@@ -29,8 +29,12 @@ def test_file_then_command_line(tmp_path):
     assert (cfg.engine.dtype, cfg.engine.max_num_seqs) == ("float32", 8)
     yaml_path = tmp_path / "c.yaml"
     yaml_path.write_text("replicas: auto\nengine:\n  scheduling_policy: static\n")
+    with pytest.warns(FutureWarning, match="scheduling_policy 'static' is deprecated"):  # its former meaning
+        cfg = build_config(yaml_path, {}, {})
+    assert cfg.replicas == "auto" and (cfg.engine.batching_policy, cfg.engine.scheduling_policy) == ("static", "fcfs")
+    yaml_path.write_text("engine:\n  scheduling_policy: priority\n  batching_policy: static\n")
     cfg = build_config(yaml_path, {}, {})
-    assert cfg.replicas == "auto" and cfg.engine.scheduling_policy == "static"
+    assert (cfg.engine.batching_policy, cfg.engine.scheduling_policy) == ("static", "priority")
 
 
 def test_errors_name_the_field():

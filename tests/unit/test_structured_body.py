@@ -1,4 +1,4 @@
-"""Output constraints and tool plans from request bodies (router/structured.py): which
+"""Output constraints and tool plans from request bodies (router/request/structured.py): which
 ``StructuredOutputsParams`` each source gives, the ``required`` / named tool schemas, and the
 400s naming the field at fault. No tokenizer, no replica: llguidance compiles without one."""
 
@@ -10,9 +10,9 @@ import jsonschema
 import pytest
 
 from replica.protocol.constraints import StructuredOutputsParams
-from router.preparation import RequestPreparer
-from router.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from router.structured import ToolPlan, constraint_of, tool_plan
+from router.request.preparation import RequestPreparer
+from router.request.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from router.request.structured import ToolPlan, constraint_of, tool_plan
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
@@ -303,7 +303,7 @@ def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2
     import asyncio
     import threading
 
-    import router.preparation
+    import router.request.preparation
     from router.config import IngressConfig
 
     seen: list[str] = []
@@ -312,9 +312,9 @@ def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2
         seen.append(threading.current_thread().name)
         return constraint_of(body)
 
-    monkeypatch.setattr(router.preparation, "constraint_of", recording)
+    monkeypatch.setattr(router.request.preparation, "constraint_of", recording)
     preparer = RequestPreparer(IngressConfig(), smollm2_tokenizer, "m")
-    info = {"max_model_len": 256, "vocab_size": 49152}
+    info = {"max_model_len": 256, "vocab_size": 49152, "block_size": 16}
     body = CompletionRequest(model="m", prompt="Pick:", guided_choice=["yes", "no"])
     prepared = asyncio.run(preparer.completion(body, info))
     assert prepared.params[0][0].structured_outputs == StructuredOutputsParams(choice=["yes", "no"], field="guided_choice")

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import threading
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from replica.core.request import Request
 from replica.protocol.constraints import JSON_FORMAT, KINDS, StructuredOutputsParams, grammar_error
 from replica.protocol.sampling_params import SamplingParams
 from replica.sample.grammar import Grammar, GrammarCompiler, apply_grammar_masks, forbidden_tokens
-from replica.sample.logits_processors import apply_min_tokens, min_tokens_banned
+from replica.sample.logits_processors import apply_min_tokens
+from replica.worker.sampling_batch import SamplingBatch
 
 VOCAB = 49152
 SCHEMA = {
@@ -242,17 +244,25 @@ class FakeGrammar:
         bitmask[row] = torch.tensor(pack(self.ids, bitmask.shape[1]), dtype=torch.int32)
 
 
-def no_bans(request) -> list[int]:
+def no_bans(row: int) -> list[int]:
     return []
 
 
-def rows_of(*grammars, params: SamplingParams | None = None, eos: tuple[int, ...] = (), num_output: int = 0):
-    """Requests (as the sampler sees them) with these grammars, ``num_output`` tokens generated."""
-    return [
-        SimpleNamespace(grammar=g, sampling_params=params or SamplingParams(), eos_token_ids=list(eos),
-                        output_token_ids=[1] * num_output)
-        for g in grammars
-    ]
+def rows_of(*grammars):
+    """The rows' constraints, as the sampler's metadata holds them."""
+    return list(grammars)
+
+
+def metadata_of(*grammars, params: SamplingParams, eos: tuple[int, ...], num_output: int):
+    """The sampler's metadata of requests with these grammars, ``num_output`` tokens generated,
+    gathered from a persistent batch's seats as in the engine."""
+    seats = SamplingBatch(len(grammars))
+    for seat, g in enumerate(grammars):
+        request = Request(request_id=str(seat), prompt_token_ids=[1], sampling_params=params, eos_token_ids=eos,
+                          output_token_ids=[1] * num_output)
+        request.grammar = g
+        seats.add(seat, request)
+    return seats.gather(np.arange(len(grammars)))
 
 
 def test_apply_grammar_masks_with_hand_built_masks():
@@ -298,19 +308,19 @@ def test_a_dead_end_is_found_on_the_host_mask_without_reading_the_logits(num_out
     vocab = 70
     params = SamplingParams(min_tokens=2, stop_token_ids=[40])
     only_banned, with_another, past_vocab = FakeGrammar({3, 40}), FakeGrammar({3, 40, 41}), FakeGrammar({40, 75, 95})
-    requests = rows_of(only_banned, None, with_another, past_vocab, params=params, eos=(3,), num_output=num_output)
+    rows = metadata_of(only_banned, None, with_another, past_vocab, params=params, eos=(3,), num_output=num_output)
     logits = torch.empty(4, vocab, device="meta")
-    assert apply_grammar_masks(logits, requests, lambda r: min_tokens_banned(r, vocab)) == [0, 2, 3]
-    dead = [r.grammar.dead_end for r in requests if r.grammar is not None]
+    assert apply_grammar_masks(logits, rows.grammars, lambda i: rows.min_tokens_banned(i, vocab)) == [0, 2, 3]
+    dead = [g.dead_end for g in rows.grammars if g is not None]
     assert dead == ([True, False, True] if num_output < 2 else [False, False, False])
     # The same verdict as the logits give once min_tokens and the masks are applied: a dead row
     # is one with every logit -inf.
-    requests = rows_of(*(FakeGrammar(g.ids) for g in (only_banned, with_another, past_vocab)), params=params, eos=(3,),
+    rows = metadata_of(*(FakeGrammar(g.ids) for g in (only_banned, with_another, past_vocab)), params=params, eos=(3,),
                        num_output=num_output)
     real = torch.randn(3, vocab)
-    apply_min_tokens(real, requests)
-    apply_grammar_masks(real, requests, lambda r: min_tokens_banned(r, vocab))
-    assert [r.grammar.dead_end for r in requests] == torch.isinf(real).all(dim=-1).tolist()
+    apply_min_tokens(real, rows)
+    apply_grammar_masks(real, rows.grammars, lambda i: rows.min_tokens_banned(i, vocab))
+    assert [g.dead_end for g in rows.grammars] == torch.isinf(real).all(dim=-1).tolist()
 
 
 def test_apply_grammar_masks_leaves_unconstrained_batches_untouched():

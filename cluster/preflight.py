@@ -1,0 +1,75 @@
+"""Checks ``carpool serve`` makes before it starts Ray or deploys, so that a setting that could never
+work stops it at once, named, instead of failing half a minute later in Serve's logs: the HTTP
+address can be listened on (:func:`listen_problem`), a tensor-parallel replica fits the cluster
+(:func:`check_tensor_parallel`); and :func:`free_port`. ``cluster.app`` imports them (and its
+:func:`~cluster.app.run` calls them); its names for them stay valid.
+"""
+
+from __future__ import annotations
+
+from cluster.config import ServeConfig
+
+
+def free_port(host: str) -> int:
+    """A TCP port of ``host`` that is free now (the OS picks it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` now (a host that does not resolve or is not
+    this machine's, a port in use or not allowed), or None.
+
+    Binds a socket the way uvicorn (Serve's HTTP server) does: IPv6 where the host has a ``:``,
+    else IPv4; ``""`` is every interface. ``SO_REUSEADDR`` is set, as Serve sets it, so connections
+    of a server that just stopped (TIME_WAIT) do not count, and a server listening there does.
+    """
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        address = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
+    except socket.gaierror as exc:
+        return f"host: {host!r} cannot be resolved ({exc.strerror})"
+    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host or '0.0.0.0'}:{port}"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"host: {host!r} is not an address of this machine ({exc.strerror})"
+            hint = "; stop what holds it or pick another --port" if exc.errno == errno.EADDRINUSE else ""
+            return f"port: {shown} cannot be listened on ({exc.strerror}){hint}"
+    return None
+
+
+def check_tensor_parallel(config: ServeConfig) -> None:
+    """Refuse, before deploying, a tensor-parallel replica that could never start: the model's heads
+    do not split over ``tensor_parallel_size``, or no node of the Ray cluster has the devices of
+    one replica (its bundles are packed on one node), which would leave it pending forever.
+
+    Raises:
+        ValueError: naming the head counts, or the devices one replica needs and the most any
+            node has.
+    """
+    tp = config.engine.tensor_parallel_size
+    if tp == 1:
+        return
+    import ray
+
+    from replica.config.model_files import check_tp_size, resolve_model_path
+
+    check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
+    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
+    most = max((node["Resources"].get(kind, 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
+    if most < tp * each:
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs {tp * each:g} {kind}s on one node for each replica; "
+            f"the largest node of the Ray cluster has {most:g}"
+        )

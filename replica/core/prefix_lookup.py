@@ -1,0 +1,31 @@
+"""Looking a new request up in the prefix cache: its block hashes, made lazily
+(:func:`hash_blocks`), and the cached blocks it may start from (:func:`cached_prefix`). Plain
+functions of the scheduler's :class:`~replica.core.block_manager.BlockManager` and a request.
+"""
+
+from __future__ import annotations
+
+from replica.core.block_manager import BlockManager
+from replica.core.request import Request
+from replica.protocol.prefix_hash import extend_block_hashes
+
+
+def hash_blocks(request: Request, block_size: int, num_blocks: int) -> None:
+    """Make ``request.block_hashes`` cover at least its first ``num_blocks`` full blocks of
+    ``block_size`` tokens (lazily: the sequence is copied only when a block is missing)."""
+    if len(request.block_hashes) < num_blocks:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.hash_root)
+
+
+def cached_prefix(bm: BlockManager, request: Request) -> list[int] | None:
+    """The prefix-cached block ids a request that holds no blocks yet can start from: the longest
+    run of its leading full blocks found in the cache, leaving at least its last known token to
+    compute (its logits give the next token). None when no lookup applies: caching off, a
+    request already under way, or one that asks for prompt logprobs (they need the logits of
+    every prompt position, as in vLLM)."""
+    if not bm.enable_caching or request.block_ids or request.num_computed_tokens:
+        return None
+    if request.sampling_params.prompt_logprobs is not None:
+        return None
+    hash_blocks(request, bm.block_size, request.num_tokens // bm.block_size)
+    return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
