@@ -33,11 +33,10 @@ LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 ENGINE_PACKAGES = (
     "config", "protocol", "core", "kernels", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
 )
-ENGINE_LAYER = {name: rank for rank, name in enumerate(ENGINE_PACKAGES)}
 ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response")
-ROUTER_LAYER = {name: rank for rank, name in enumerate(ROUTER_PACKAGES)}
 ROUTER_MODULE_LAYERS = ("config",)  # modules, not packages: router/config.py, the settings every layer reads
 ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself
+BENCH_PACKAGES = ("workloads", "engine", "serving")  # cluster.bench's packages, lowest first
 
 
 def _module_name(path: Path) -> str:
@@ -118,31 +117,51 @@ def external_imports(path: Path) -> set[str]:
     return found - set(PACKAGES)
 
 
-def engine_package(module: str) -> str | None:
-    """The package of ``replica`` that ``module`` belongs to (``"core"``, ...); ``"replica"`` for the
-    package's own ``__init__``; None outside the engine."""
-    parts = module.split(".")
-    if parts[0] != "replica":
-        return None
-    return parts[1] if len(parts) > 1 and parts[1] in ENGINE_LAYER else "replica"
+class Layers:
+    """The sub-packages of one package (``prefix``: ``("replica",)``, ``("cluster", "bench")``) in
+    layers, lowest first (``order``); ``top``: the name of the package's own top (its ``__init__``
+    and the modules that sit beside its sub-packages)."""
+
+    def __init__(self, prefix: tuple[str, ...], order: tuple[str, ...], top: str) -> None:
+        self.prefix, self.order, self.top = prefix, order, top
+        self.rank = {name: rank for rank, name in enumerate(order)}
+
+    def package(self, module: str) -> str | None:
+        """The layer ``module`` belongs to; :attr:`top` for the top; None outside the package."""
+        parts = module.split(".")
+        n = len(self.prefix)
+        if tuple(parts[:n]) != self.prefix:
+            return None
+        return parts[n] if len(parts) > n and parts[n] in self.rank else self.top
+
+    def violations(self, graph: dict[str, set[str]]) -> list[str]:
+        """Imports of a higher layer, or of the top, from a layer."""
+        found = []
+        for module, targets in graph.items():
+            own = self.package(module)
+            for target in targets:
+                other = self.package(target)
+                if own is None or other is None or own == other or own == self.top:
+                    continue
+                if other == self.top or self.rank[other] > self.rank[own]:
+                    found.append(f"{module} imports {target}")
+        return sorted(found)
+
+    def folders(self) -> set[str]:
+        """The sub-packages on disk (folders with an ``__init__.py``)."""
+        return {p.parent.name for p in ROOT.joinpath(*self.prefix).glob("*/__init__.py")}
+
+
+ENGINE = Layers(("replica",), ENGINE_PACKAGES, "replica")
+ROUTER = Layers(("router",), ROUTER_PACKAGES, "router")
+BENCH = Layers(("cluster", "bench"), BENCH_PACKAGES, "bench")
+engine_package, engine_layer_violations = ENGINE.package, ENGINE.violations
+router_package, router_layer_violations = ROUTER.package, ROUTER.violations
+bench_package, bench_layer_violations = BENCH.package, BENCH.violations
 
 
 def test_every_engine_package_has_a_layer():
-    found = {p.parent.name for p in (ROOT / "replica").glob("*/__init__.py")}
-    assert found == set(ENGINE_PACKAGES), "give each package of replica/ a layer in ENGINE_PACKAGES"
-
-
-def engine_layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    found = []
-    for module, targets in graph.items():
-        own = engine_package(module)
-        for target in targets:
-            other = engine_package(target)
-            if own is None or other is None or own == other or own == "replica":
-                continue
-            if other == "replica" or ENGINE_LAYER[other] > ENGINE_LAYER[own]:
-                found.append(f"{module} imports {target}")
-    return sorted(found)
+    assert ENGINE.folders() == set(ENGINE_PACKAGES), "give each package of replica/ a layer in ENGINE_PACKAGES"
 
 
 def test_engine_packages_import_only_lower_layers():
@@ -179,33 +198,9 @@ def test_the_sampler_does_not_import_the_scheduler_s_request_state():
     assert not found, "replica.sample reads SamplingMetadata, not the scheduler's requests:\n" + "\n".join(found)
 
 
-def router_package(module: str) -> str | None:
-    """The layer of ``router`` that ``module`` belongs to (``"request"``, ..., ``"config"`` for
-    ``router.config``); ``"router"`` for the top (``router.ingress``, the package's own ``__init__``);
-    None outside the router."""
-    parts = module.split(".")
-    if parts[0] != "router":
-        return None
-    return parts[1] if len(parts) > 1 and parts[1] in ROUTER_LAYER else "router"
-
-
 def test_every_router_package_has_a_layer():
-    found = {p.parent.name for p in (ROOT / "router").glob("*/__init__.py")}
-    assert found == set(ROUTER_PACKAGES) - set(ROUTER_MODULE_LAYERS), "give each package of router/ a layer in ROUTER_PACKAGES"
+    assert ROUTER.folders() == set(ROUTER_PACKAGES) - set(ROUTER_MODULE_LAYERS), "give each package of router/ a layer in ROUTER_PACKAGES"
     assert all((ROOT / "router" / f"{name}.py").is_file() for name in ROUTER_MODULE_LAYERS)
-
-
-def router_layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    found = []
-    for module, targets in graph.items():
-        own = router_package(module)
-        for target in targets:
-            other = router_package(target)
-            if own is None or other is None or own == other or own == "router":
-                continue
-            if other == "router" or ROUTER_LAYER[other] > ROUTER_LAYER[own]:
-                found.append(f"{module} imports {target}")
-    return sorted(found)
 
 
 def test_router_packages_import_only_lower_layers():
@@ -301,35 +296,8 @@ def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-BENCH_PACKAGES = ("workloads", "engine", "serving")  # cluster.bench's packages, lowest first
-BENCH_LAYER = {name: rank for rank, name in enumerate(BENCH_PACKAGES)}
-
-
-def bench_package(module: str) -> str | None:
-    """The package of ``cluster.bench`` that ``module`` belongs to (``"engine"``, ...); ``"bench"``
-    for the top (``cli``, ``options``, ``__main__``, the package's own ``__init__``); None outside it."""
-    parts = module.split(".")
-    if parts[:2] != ["cluster", "bench"]:
-        return None
-    return parts[2] if len(parts) > 2 and parts[2] in BENCH_LAYER else "bench"
-
-
 def test_every_bench_package_has_a_layer():
-    found = {p.parent.name for p in (ROOT / "cluster" / "bench").glob("*/__init__.py")}
-    assert found == set(BENCH_PACKAGES), "give each package of cluster/bench/ a layer in BENCH_PACKAGES"
-
-
-def bench_layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    found = []
-    for module, targets in graph.items():
-        own = bench_package(module)
-        for target in targets:
-            other = bench_package(target)
-            if own is None or other is None or own == other or own == "bench":
-                continue
-            if other == "bench" or BENCH_LAYER[other] > BENCH_LAYER[own]:
-                found.append(f"{module} imports {target}")
-    return sorted(found)
+    assert BENCH.folders() == set(BENCH_PACKAGES), "give each package of cluster/bench/ a layer in BENCH_PACKAGES"
 
 
 def test_bench_packages_import_only_lower_layers():
