@@ -29,6 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from cluster.autoscaling import AutoscalingSettings, parse_autoscale
 from cluster.config import EngineConfig, ServeConfig, format_validation_error, parse_bytes, parse_speculative_config
 from cluster.settings_cli import Given, Opt, command, option
+from replica.config.engine_config import former_names_moved
 from replica.serve import log_to_stderr
 from router.config import parse_lora_module
 
@@ -75,6 +76,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+    if not all(isinstance(key, str) for key in data):
+        raise ValueError(f"config file {path}: setting names must be strings, got {sorted(map(repr, data))}")
     if "applications" in data:
         raise ValueError(
             f"{path} is a Ray Serve config file (it has 'applications'): deploy it with `serve run {path}` "
@@ -94,7 +97,8 @@ def build_config(
     engine = data.get("engine") or {}
     if not isinstance(engine, dict):
         raise ValueError("engine: must be a mapping of engine settings")
-    engine = {**engine, **{k: v for k, v in engine_overrides.items() if v is not None}}
+    given = {k: v for k, v in engine_overrides.items() if v is not None}
+    engine = {**former_names_moved(engine), **former_names_moved(given)}  # each source's former names first
     scaling = {k: v for k, v in (autoscaling_overrides or {}).items() if v is not None}
     data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
     if engine:

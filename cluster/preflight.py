@@ -34,8 +34,8 @@ def listen_problem(host: str, port: int) -> str | None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         address = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
-    except socket.gaierror as exc:
-        return f"host: {host!r} cannot be resolved ({exc.strerror})"
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: not a host name (idna: an empty label)
+        return f"host: {host!r} cannot be resolved ({getattr(exc, 'strerror', None) or exc})"
     shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host or '0.0.0.0'}:{port}"
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -25,7 +25,7 @@ from router.config import IngressConfig
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead); adapter-aware vs seat-only routing of LoRA requests (lora-routing); the autoscaling policies on 2 nodes (autoscale).",
+    help="Benchmarks: continuous vs static batching in-process (offline); where a step's time goes (profile); prefix caching on vs off (prefix); load on a live server (serve); in-process vs served on one machine (overhead); speculative decoding on vs off (spec); LoRA adapters mixed with base requests (lora); adapter-aware vs seat-only routing of LoRA requests (lora-routing); the autoscaling policies on 2 nodes (autoscale).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

@@ -29,7 +29,9 @@ def _comma_words(value: object) -> object:
     return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
 
-CommaInts = Annotated[List[int], BeforeValidator(_comma_ints), flag(metavar="<n,n,...>")]
+CommaInts = Annotated[
+    List[Annotated[int, Field(ge=1)]], Field(min_length=1), BeforeValidator(_comma_ints), flag(metavar="<n,n,...>")
+]  # positive, at least one
 CommaWords = Annotated[List[str], BeforeValidator(_comma_words), flag(metavar="<a,b,...>")]
 
 # ---- options several commands share (each command sets its own default) ----

@@ -57,9 +57,31 @@ def deprecated_batching_name(value: object, where: str) -> bool:
     warnings.warn(
         f"{where} {value!r} is deprecated: continuous and static are batching policies now "
         f"(batching_policy / --batching-policy {value}); scheduling_policy is fcfs or priority",
-        FutureWarning, stacklevel=3,
+        FutureWarning, stacklevel=2,
     )
     return True
+
+
+def former_names_moved(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (engine settings, one source: a config file's, the command line's) with a
+    deprecated ``scheduling_policy: continuous|static`` moved to ``batching_policy`` (with a
+    warning), ``scheduling_policy`` left to its default (fcfs). Apply it to each source before
+    merging them, so that a later source's ``scheduling_policy`` never hides an earlier one's
+    batching policy.
+
+    Raises:
+        ValueError: ``batching_policy`` is given too, and differs.
+    """
+    if not deprecated_batching_name(settings.get("scheduling_policy"), "scheduling_policy"):
+        return settings
+    settings = dict(settings)
+    old = settings.pop("scheduling_policy")
+    if settings.setdefault("batching_policy", old) != old:
+        raise ValueError(
+            f"scheduling_policy {old!r} (a deprecated name of batching_policy) contradicts "
+            f"batching_policy {settings['batching_policy']!r}: give batching_policy alone"
+        )
+    return settings
 
 
 class EngineConfig(BaseModel):
@@ -213,17 +235,8 @@ class EngineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _former_scheduling_policies(cls, data: Any) -> Any:
-        """``scheduling_policy: continuous|static`` (deprecated, with a warning) sets ``batching_policy``
-        (``ValueError`` when that is given too, and differs) and leaves ``scheduling_policy`` fcfs."""
-        if isinstance(data, dict) and deprecated_batching_name(data.get("scheduling_policy"), "scheduling_policy"):
-            data = dict(data)
-            old = data.pop("scheduling_policy")
-            if data.setdefault("batching_policy", old) != old:
-                raise ValueError(
-                    f"scheduling_policy {old!r} (a deprecated name of batching_policy) contradicts "
-                    f"batching_policy {data['batching_policy']!r}: give batching_policy alone"
-                )
-        return data
+        """The former names moved (:func:`former_names_moved`) before the fields are read."""
+        return former_names_moved(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -86,6 +86,8 @@ class LLM:
             if len(loras) != len(items):
                 raise ValueError(f"lora_request has {len(loras)} entries for {len(items)} prompts")
 
+        if priority is not None and not isinstance(priority, Sequence):
+            raise ValueError(f"priority must be one int per prompt (a list), got {type(priority).__name__}")
         priorities = [0] * len(items) if priority is None else list(priority)
         if len(priorities) != len(items):
             raise ValueError(f"priority has {len(priorities)} entries for {len(items)} prompts")

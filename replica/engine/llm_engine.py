@@ -7,11 +7,9 @@ seats in the next step. Not thread-safe: ``replica.engine.async_engine`` drives 
 With ``async_scheduling`` one ``step()`` = schedule step N → launch its forward → read step N-1's
 tokens, update, detokenize → sample step N and leave it in flight: a step's outputs come out of
 the next ``step()`` call, and step N's decode rows take their input tokens from step N-1's device
-tensor (see :meth:`LLMEngine._step_overlapped`).
-
-What the engine reports about itself (its load, its settings, a record of each step for
-observers, the block accounting check) is :mod:`replica.engine.reporting`'s, mixed in; what a
-failed step does is :mod:`replica.engine.step_failures`'.
+tensor (see :meth:`LLMEngine._step_overlapped`). What the engine reports about itself (load,
+settings, a record of each step for observers, the block check) is :mod:`replica.engine.reporting`'s,
+mixed in; what a failed step does is :mod:`replica.engine.step_failures`'.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ class LLMEngine(EngineReporting):
         launch_ranks: how a tensor-parallel engine starts its other ranks (``replica.worker.tp_launch``).
 
     Raises:
-        ValueError: a setting cannot work with this model (e.g. ``max_model_len`` beyond the
-            KV pool or the model's context length).
+        ValueError: a setting this model cannot run (``max_model_len`` past the KV pool or its context).
     """
 
     def __init__(
@@ -263,10 +260,14 @@ class LLMEngine(EngineReporting):
                 request.first_scheduled_time = started
                 if self.metrics is not None:
                     self.metrics.on_first_scheduled(started - request.arrival_time, request.priority)
+        if self.metrics is not None and out.preempted:  # also in a step that then schedules nothing
+            self.metrics.on_preempted([r.priority for r in out.preempted])
         if self.async_scheduling:
             outputs = self._step_overlapped(out)
         elif out.is_empty:
-            return []
+            if not out.preempted:
+                return []
+            outputs = []  # nothing ran, but it preempted: counted above, its stats and record below
         else:
             try:
                 if self.speculator is not None:
@@ -289,7 +290,6 @@ class LLMEngine(EngineReporting):
                 num_running=seats_taken,
                 num_slots=self.scheduler.max_num_seqs,
                 duration_s=time.monotonic() - started,
-                preempted=[r.priority for r in out.preempted],
             )
         self._refresh_stats()
         self._notify_step(out, started)

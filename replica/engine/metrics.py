@@ -94,7 +94,7 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions by recompute (blocks ran out).")
         self._preemptions_by_priority = Counter(
             "carpool:num_preemptions_by_priority",
-            "Preemptions by recompute, by the preempted request's priority (label: priority_label).",
+            "Preemptions by recompute, by the preempted request's priority (label priority: -3 to 3, else <=-4 or >=4).",
             names + ["priority"], registry=r,
         )
         self.prefix_cache_queries = counter(
@@ -182,7 +182,7 @@ class EngineMetrics:
         )
         self._queue_time_by_priority = Histogram(
             "carpool:request_queue_time_by_priority_seconds",
-            "Arrival to first scheduled, by the request's priority (label: priority_label).",
+            "Arrival to first scheduled, by the request's priority (label priority: -3 to 3, else <=-4 or >=4).",
             names + ["priority"], buckets=LATENCY_BUCKETS, registry=r,
         )
 
@@ -197,18 +197,18 @@ class EngineMetrics:
         self.kv_cache_blocks_free.set(num_free_blocks)
         self.kv_cache_usage_perc.set(1.0 - num_free_blocks / num_total_blocks)
 
-    def on_step(
-        self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float, preempted: Sequence[int] = ()
-    ) -> None:
-        """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``;
-        ``preempted``: the priority of each request it preempted."""
+    def on_step(self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float) -> None:
+        """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``."""
         self.iteration_tokens.observe(num_tokens)
         self.batch_occupancy.observe(num_running / num_slots)
         self.step_duration.observe(duration_s)
-        if preempted:
-            self.num_preemptions.inc(len(preempted))
-            for priority in preempted:
-                self._preemptions_by_priority.labels(**self.labels, priority=priority_label(priority)).inc()
+
+    def on_preempted(self, priorities: Sequence[int]) -> None:
+        """A step's scheduling preempted requests of these priorities (one entry a request), whether
+        or not it then ran anything."""
+        self.num_preemptions.inc(len(priorities))
+        for priority in priorities:
+            self._preemptions_by_priority.labels(**self.labels, priority=priority_label(priority)).inc()
 
     def on_prefix_cache(self, *, queries: int, hits: int) -> None:
         """A step's admissions looked ``queries`` tokens up in the prefix cache and found ``hits``."""

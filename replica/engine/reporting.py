@@ -33,7 +33,7 @@ class EngineReporting:
     # ---- step observers ----------------------------------------------------------------------
     def add_step_observer(self, callback: StepObserver) -> Callable[[], None]:
         """Call ``callback(record)`` with a :class:`~replica.engine.stats.StepRecord` at the end
-        of every ``step()`` that scheduled work (failed steps included), on the engine's thread,
+        of every ``step()`` that scheduled work or preempted (failed steps included), on the engine's thread,
         after the engine's stats are refreshed; returns a function that removes it (idempotent).
 
         A callback should be quick: the step waits for it. One that raises is logged and removed,
@@ -52,7 +52,7 @@ class EngineReporting:
     def _notify_step(self, out, started: float) -> None:
         """Hand the record of ``out`` (a step just run; ``started``: its ``time.monotonic()``) to the observers."""
         observers = self._step_observers
-        if not observers or out.is_empty:
+        if not observers or (out.is_empty and not out.preempted):
             return
         record = StepRecord.of(out, self.scheduler, self.block_manager, started, time.monotonic())
         for callback in observers:

@@ -36,13 +36,13 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_cached_blocks: int = 0  # blocks in the prefix cache now (owned or free)
-    head_waiting_since: float | None = None  # arrival (time.monotonic()) of the next request to admit; None: none waits
+    head_waiting_since: float | None = None  # arrival (time.monotonic()) of the longest-waiting request; None: none waits
     # Priority scheduling policy only (else empty): ((priority, running + waiting requests), ...),
     # lowest value first, at most 16 pairs (replica.core.waiting_queue.priority_counts).
     priority_counts: tuple[tuple[int, int], ...] = ()
 
     def queue_wait_s(self, now: float) -> float:
-        """How long (seconds) the head of the waiting queue has waited for a seat at ``now``
+        """How long (seconds) the longest-waiting request has waited for a seat at ``now``
         (``time.monotonic()``); 0 when none waits."""
         return 0.0 if self.head_waiting_since is None else max(0.0, now - self.head_waiting_since)
 
@@ -66,7 +66,7 @@ class EngineStats:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             num_cached_blocks=block_manager.num_cached_blocks,
-            head_waiting_since=scheduler.waiting[0].arrival_time if scheduler.waiting else None,
+            head_waiting_since=_oldest_arrival(scheduler),
             priority_counts=priority_counts(scheduler.requests.values()) if scheduler.scheduling_policy == "priority" else (),
         )
 
@@ -190,3 +190,14 @@ class EngineInfo:
     enable_prefix_caching: bool
     tensor_parallel_size: int
     speculative_config: dict | None = None
+
+
+def _oldest_arrival(scheduler) -> float | None:
+    """Arrival of the longest-waiting request (None: none waits): the queue's head under ``fcfs``
+    (a preempted request goes back to the front and arrived before the rest); under ``priority``
+    the head is the most urgent, not the oldest, so all are looked at (O(waiting))."""
+    if not scheduler.waiting:
+        return None
+    if scheduler.scheduling_policy != "priority":
+        return scheduler.waiting[0].arrival_time
+    return min(r.arrival_time for r in scheduler.waiting)

@@ -93,6 +93,8 @@ def test_queue_order_and_fcfs_refusal(tiny_llama):
     assert [o.outputs[0].token_ids for o in outs] == [t[:3] for t in _alone_prefixes(llm, prompts)]
     with pytest.raises(ValueError, match="priority has 1 entries for 4 prompts"):
         llm.generate(prompt_token_ids=prompts, sampling_params=_params(3), priority=[0])
+    with pytest.raises(ValueError, match="priority must be one int per prompt"):
+        llm.generate(prompt_token_ids=prompts, sampling_params=_params(3), priority=5)
     with pytest.raises(RequestError, match="priority must be an integer, got float") as info:
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=_params(3), priority=[1.5])
     assert info.value.param == "priority"
@@ -107,3 +109,26 @@ def test_queue_order_and_fcfs_refusal(tiny_llama):
 
 def _alone_prefixes(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [llm.generate(prompt_token_ids=[p], sampling_params=_params(3))[0].outputs[0].token_ids for p in prompts]
+
+
+def test_a_preemption_in_a_step_that_runs_nothing_is_counted_and_reported(tiny_llama):
+    """One seat: a priority-0 arrival preempts the running priority-5 request in a step that then
+    runs nothing (a step that preempts admits nobody); the preemption is still counted by priority
+    (5 is in the label ">=4")
+    and reported to step observers."""
+    metrics = EngineMetrics("tiny", "r0")
+    engine = LLMEngine(model=tiny_llama, **ENGINE, max_num_seqs=1, scheduling_policy="priority", metrics=metrics)
+    records = []
+    engine.add_step_observer(records.append)
+    low = engine.add_request(prompt_token_ids=WORKLOAD[0][0], sampling_params=_params(8), priority=5)
+    engine.step()
+    high = engine.add_request(prompt_token_ids=WORKLOAD[1][0], sampling_params=_params(4), priority=0)
+    engine.step()
+    assert engine.scheduler.num_preemptions == 1 and low.num_preemptions == 1
+    assert records[-1].preempted == (low.request_id,) and records[-1].num_batched_tokens == 0
+    assert metrics.registry.get_sample_value("carpool:num_preemptions_total", LABELS) == 1
+    assert metrics.registry.get_sample_value("carpool:num_preemptions_by_priority_total", {**LABELS, "priority": ">=4"}) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert high.output_token_ids and len(low.output_token_ids) == 8
+    assert_idle(engine)

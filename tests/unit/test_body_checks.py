@@ -65,3 +65,21 @@ def test_priority_needs_the_priority_scheduling_policy(smollm2_tokenizer):
     prepared = asyncio.run(preparer.completion(CompletionRequest(prompt=[[5, 6], [7]], n=2, priority=-4), {**info, "scheduling_policy": "priority"}))
     envelopes = [prepared.envelope(i, p, params) for i, p, _, params in prepared.jobs()]
     assert len(envelopes) == 4 and all(e.priority == -4 for e in envelopes)
+
+
+@pytest.mark.parametrize("ids", [[-1], [4294967296], [2**70], [[1, 2], [-5]]])
+def test_echoed_token_ids_are_checked_before_they_are_decoded(smollm2_tokenizer, ids):
+    """``echo`` decodes a token-id prompt for the reply: an id the tokenizer cannot take (negative,
+    past 32 bits) is the vocabulary's 400 naming the prompt, not the decoder's OverflowError (a 500)."""
+    import asyncio
+
+    from router.config import IngressConfig
+    from router.request.preparation import RequestPreparer
+    from router.request.protocol import CompletionRequest
+
+    preparer = RequestPreparer(IngressConfig(), smollm2_tokenizer, "m")
+    info = {"max_model_len": 256, "vocab_size": 49152, "block_size": 16}
+    with pytest.raises(OpenAIError) as error:
+        asyncio.run(preparer.completion(CompletionRequest(prompt=ids, echo=True, max_tokens=3), info))
+    assert error.value.status_code == 400 and error.value.param.startswith("prompt")
+    assert "outside the vocabulary" in error.value.message

@@ -134,6 +134,9 @@ def test_generated_help_comes_from_the_field():
     (["bench", "lora-routing", "--hot-fraction", "2"], "hot_fraction (--hot-fraction): Input should be less than or equal to 1"),
     (["bench", "lora-routing", "--replicas", "0"], "replicas (--replicas): must be a positive integer or 'auto'"),
     (["bench", "lora", "--threads", "0"], "threads (--threads): Input should be greater than or equal to 1"),
+    (["bench", "spec", "--seats", "0"], "seats.0 (--seats): Input should be greater than or equal to 1"),
+    (["bench", "spec", "--seats", ","], "seats (--seats): List should have at least 1 item"),
+    (["bench", "offline", "--caps", "0"], "caps.0 (--caps): Input should be greater than or equal to 1"),
 ])
 def test_a_bad_value_is_refused_by_its_field(argv, named, monkeypatch):
     import cluster.app

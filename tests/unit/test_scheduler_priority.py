@@ -212,3 +212,19 @@ def test_async_scheduling_a_seat_the_step_in_flight_frees_is_taken_without_preem
         step(sched)
     assert sched.num_preemptions == 0 and sched.block_manager.num_used_blocks == 0
     assert_blocks_consistent(sched)
+
+
+def test_the_queue_wait_is_the_oldest_waiting_request_s_not_the_head_s():
+    """Under ``priority`` the queue's head is the most urgent request, not the one that has waited
+    longest: the reported wait (what the autoscaler scales on) is the oldest one's."""
+    from replica.engine.stats import EngineStats
+
+    sched = make_scheduler(max_num_seqs=1, scheduling="priority")
+    sched.add_request(req("running", 3))
+    step(sched)
+    old, urgent = req("old", 3, priority=5), req("urgent", 3, priority=-1)
+    old.arrival_time, urgent.arrival_time = 1.0, 99.0
+    sched.add_request(old)
+    sched.add_request(urgent)
+    assert ids(sched.waiting) == ["urgent", "old"]
+    assert EngineStats.of(sched, sched.block_manager).queue_wait_s(100.0) == pytest.approx(99.0)

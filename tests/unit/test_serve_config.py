@@ -35,6 +35,17 @@ def test_file_then_command_line(tmp_path):
     yaml_path.write_text("engine:\n  scheduling_policy: priority\n  batching_policy: static\n")
     cfg = build_config(yaml_path, {}, {})
     assert (cfg.engine.batching_policy, cfg.engine.scheduling_policy) == ("static", "priority")
+    # Each source's former names are moved before the command line overrides the file: the file's
+    # static batching survives a --scheduling-policy priority, and a command line's former name
+    # overrides the file's batching policy instead of contradicting it.
+    yaml_path.write_text("engine:\n  scheduling_policy: static\n")
+    with pytest.warns(FutureWarning):
+        cfg = build_config(yaml_path, {}, {"scheduling_policy": "priority"})
+    assert (cfg.engine.batching_policy, cfg.engine.scheduling_policy) == ("static", "priority")
+    yaml_path.write_text("engine:\n  batching_policy: static\n")
+    with pytest.warns(FutureWarning):
+        cfg = build_config(yaml_path, {}, {"scheduling_policy": "continuous"})
+    assert (cfg.engine.batching_policy, cfg.engine.scheduling_policy) == ("continuous", "fcfs")
 
 
 def test_errors_name_the_field():
@@ -317,3 +328,18 @@ def test_lora_settings_reach_the_config_and_turn_lora_on(tmp_path, monkeypatch):
     cfg = build_config(path, {}, {})
     assert cfg.lora_modules == {"sql": "/adapters/sql"} and cfg.engine.enable_lora and cfg.engine.max_loras == 3
     assert build_config(path, {"lora_modules": {"x": "/x"}}, {}).lora_modules == {"x": "/x"}  # the option replaces the file's
+
+
+def test_a_config_file_with_names_that_are_not_strings_and_a_host_that_is_not_one_are_named(tmp_path):
+    """YAML keys such as ``1:`` or ``null:`` are refused by the file's name (not a TypeError from
+    the settings model); a host idna cannot encode (an empty label) is a host problem, not a crash."""
+    from cluster.cli import load_config_file
+    from cluster.preflight import listen_problem
+
+    path = tmp_path / "c.yaml"
+    for text in ("1: 2\n", "null: 3\nport: 8000\n"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match="setting names must be strings"):
+            load_config_file(path)
+    for host in ("a..b", "x" * 64 + ".example"):
+        assert listen_problem(host, 8000).startswith(f"host: {host!r} cannot be resolved")
