@@ -1,5 +1,6 @@
 """Looking a new request up in the prefix cache: its block hashes, made lazily
-(:func:`hash_blocks`), and the cached blocks it may start from (:func:`cached_prefix`). Plain
+(:func:`hash_blocks`), the cached blocks it may start from (:func:`cached_prefix`) and where
+its next chunk starts (:func:`first_chunk_start`). Plain
 functions of the scheduler's :class:`~replica.core.block_manager.BlockManager` and a request.
 """
 
@@ -29,3 +30,11 @@ def cached_prefix(bm: BlockManager, request: Request) -> list[int] | None:
         return None
     hash_blocks(request, bm.block_size, request.num_tokens // bm.block_size)
     return bm.cached_prefix(request.block_hashes, (request.num_tokens - 1) // bm.block_size)
+
+
+def first_chunk_start(bm: BlockManager, request: Request) -> tuple[list[int] | None, int]:
+    """``(cached, start)``: the request's :func:`cached_prefix` and the first token its next chunk
+    computes (past the cached blocks for a request that holds none yet, else
+    ``num_computed_tokens``)."""
+    cached = cached_prefix(bm, request)
+    return cached, len(cached) * bm.block_size if cached else request.num_computed_tokens

@@ -34,7 +34,7 @@ from typing import ClassVar
 from replica.core.block_manager import BlockManager
 from replica.core.drafts import roll_back
 from replica.core.lora_limit import LoRAAdmission, running_loras
-from replica.core.prefix_lookup import cached_prefix, hash_blocks
+from replica.core.prefix_lookup import first_chunk_start, hash_blocks
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from replica.core.waiting_queue import SCHEDULING_POLICIES, PriorityQueue, priority_victim, seat
@@ -209,8 +209,7 @@ class Scheduler:
             if request.is_finished:  # a seat the policy keeps after its request ended: no row here
                 index += 1
                 continue
-            cached = cached_prefix(self.block_manager, request)  # a request seated without blocks: its first chunk
-            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            cached, start = first_chunk_start(self.block_manager, request)  # a request seated without blocks: its first chunk
             num_new = min(self._known_or_pending(request) - start, budget)
             if num_new <= 0:
                 # Async: the step in flight computes its last token and ends it when it is read,
@@ -244,8 +243,7 @@ class Scheduler:
             if loras.blocked(request):
                 index += 1
                 continue
-            cached = cached_prefix(self.block_manager, request)
-            start = len(cached) * self.block_manager.block_size if cached else request.num_computed_tokens
+            cached, start = first_chunk_start(self.block_manager, request)
             num_new = min(request.num_tokens - start, budget)
             target = start + num_new
             if not self.block_manager.can_allocate(request.request_id, target, cached or ()):

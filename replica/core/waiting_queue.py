@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from replica.core.lora_limit import LoRAAdmission
-from replica.core.prefix_lookup import cached_prefix
+from replica.core.prefix_lookup import first_chunk_start
 from replica.core.request import Request
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -126,11 +126,9 @@ def _fits(scheduler: Any, head: Request) -> bool:
     )
     if len(scheduler.running) - ending >= scheduler.max_num_seqs:
         return False
-    bm = scheduler.block_manager
-    cached = cached_prefix(bm, head)
-    start = len(cached) * bm.block_size if cached else head.num_computed_tokens
+    cached, start = first_chunk_start(scheduler.block_manager, head)
     target = start + min(head.num_tokens - start, scheduler.max_num_batched_tokens)
-    return bm.can_allocate(head.request_id, target, cached or ())
+    return scheduler.block_manager.can_allocate(head.request_id, target, cached or ())
 
 
 def priority_counts(requests: Iterator[Request] | list[Request], limit: int = 16) -> tuple[tuple[int, int], ...]:

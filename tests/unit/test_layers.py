@@ -27,6 +27,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("replica", "router", "cluster")  # lowest first
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
@@ -164,9 +166,10 @@ def test_every_engine_package_has_a_layer():
     assert ENGINE.folders() == set(ENGINE_PACKAGES), "give each package of replica/ a layer in ENGINE_PACKAGES"
 
 
-def test_engine_packages_import_only_lower_layers():
-    upward = engine_layer_violations(import_graph())
-    assert not upward, "an engine package imports a higher one:\n" + "\n".join(upward)
+@pytest.mark.parametrize("layers", [ENGINE, ROUTER, BENCH], ids=["replica", "router", "cluster.bench"])
+def test_packages_import_only_lower_layers(layers):
+    upward = layers.violations(import_graph())
+    assert not upward, f"a package of {'.'.join(layers.prefix)} imports a higher one:\n" + "\n".join(upward)
 
 
 def test_core_and_protocol_import_no_torch_and_only_serve_imports_ray():
@@ -201,11 +204,6 @@ def test_the_sampler_does_not_import_the_scheduler_s_request_state():
 def test_every_router_package_has_a_layer():
     assert ROUTER.folders() == set(ROUTER_PACKAGES) - set(ROUTER_MODULE_LAYERS), "give each package of router/ a layer in ROUTER_PACKAGES"
     assert all((ROOT / "router" / f"{name}.py").is_file() for name in ROUTER_MODULE_LAYERS)
-
-
-def test_router_packages_import_only_lower_layers():
-    upward = router_layer_violations(import_graph())
-    assert not upward, "a router package imports a higher one:\n" + "\n".join(upward)
 
 
 def router_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -298,11 +296,6 @@ def test_find_cycle_finds_one():
 
 def test_every_bench_package_has_a_layer():
     assert BENCH.folders() == set(BENCH_PACKAGES), "give each package of cluster/bench/ a layer in BENCH_PACKAGES"
-
-
-def test_bench_packages_import_only_lower_layers():
-    upward = bench_layer_violations(import_graph())
-    assert not upward, "a cluster.bench package imports a higher one:\n" + "\n".join(upward)
 
 
 def test_the_bench_layer_check_catches_violations():
