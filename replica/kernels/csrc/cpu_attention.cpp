@@ -23,6 +23,7 @@
 
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <type_traits>

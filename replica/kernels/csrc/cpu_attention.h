@@ -3,7 +3,7 @@
 // which queries of a call share one walk over their blocks (query_tiles).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -2,7 +2,8 @@
 // here, with greedy sampling's bf16 argmax; paged decode attention (cpu_attention.cpp), the linear
 // layers (cpu_linear_bf16.cpp, cpu_linear_f32.cpp) and random sampling (cpu_sampling.cpp) add to it.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

@@ -2,7 +2,9 @@
 // cpu_kernels.cpp, which defines the op library carpool_cpu): its own kernel on AVX512-BF16,
 // else oneDNN's prepacked GEMM.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 

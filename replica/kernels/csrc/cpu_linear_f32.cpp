@@ -35,7 +35,11 @@
 // (run_groups). Every lane computes the same FMAs in the same order: the AVX2 and
 // AVX512 builds give the same bits.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

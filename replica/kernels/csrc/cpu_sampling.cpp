@@ -16,7 +16,8 @@
 // The file is built with -ffast-math, which lets the compiler assume there is no infinity: so
 // -inf is never compared with infinity here, only through finite thresholds and bit patterns.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

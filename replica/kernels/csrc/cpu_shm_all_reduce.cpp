@@ -9,7 +9,9 @@
 // publish and return x). A wait longer than wait_s returns an empty tensor: the caller checks
 // that the peers still live and calls again, with publish = false once its own number is out.
 #include <torch/library.h>
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <immintrin.h>
 #include <sched.h>
