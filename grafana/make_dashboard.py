@@ -109,6 +109,22 @@ PANELS = [
      "Adapters loaded into a device slot per second, per replica (each a miss: a request's adapter was not in a slot). "
      "Adapter-aware routing keeps it low.", "ops",
      [("{{replica}}", f"sum by (replica) (rate(carpool:lora_adapter_loads_total{{{SEL}}}[{RATE}]))")], "timeseries"),
+    # Priorities (--scheduling-policy priority; under fcfs every request has priority 0).
+    ("Priorities", "", "", [], ROW),
+    ("Queue time by priority",
+     "90th percentile of arrival to first scheduled, per request priority (lower runs first).", "s",
+     [("priority {{priority}}", f"histogram_quantile(0.9, sum by (le, priority) "
+                                f"(rate(carpool:request_queue_time_by_priority_seconds_bucket{{{SEL}}}[{RATE}])))")],
+     "timeseries"),
+    ("Time to first token by priority",
+     "90th percentile of arrival to first generated token, per request priority.", "s",
+     [("priority {{priority}}", f"histogram_quantile(0.9, sum by (le, priority) "
+                                f"(rate(carpool:time_to_first_token_by_priority_seconds_bucket{{{SEL}}}[{RATE}])))")],
+     "timeseries"),
+    ("Preemptions by priority",
+     "Requests preempted per second, by the preempted request's priority. Without preemptions, one line at 0.", "ops",
+     [("priority {{priority}}", f"sum by (priority) (rate(carpool:num_preemptions_by_priority_total{{{SEL}}}[{RATE}])) "
+                                f"or on() (0 * sum(carpool:num_preemptions_total{{{SEL}}}))")], "timeseries"),
     # Autoscaling (the Carpool policy's series, per Serve application; empty while replicas are fixed).
     ("Autoscaling", "", "", [], ROW),
     ("Autoscaling: replicas",
@@ -127,8 +143,13 @@ PANELS = [
      "averaged over the policy's look-back window.", "percentunit",
      [("seats {{application}}", "carpool:autoscaler_seat_utilization"),
       ("KV {{application}}", "carpool:autoscaler_kv_cache_usage")], "timeseries"),
+    ("Autoscaling: demand (policy input)",
+     "Requests running, waiting for a seat or queued at the handles (demand), and those waiting, "
+     "look-back averages, all replicas.", "short",
+     [("demand {{application}}", "carpool:autoscaler_demand"),
+      ("waiting {{application}}", "carpool:autoscaler_requests_waiting")], "timeseries"),
     ("Autoscaling: queue wait (policy input)",
-     "Longest head-of-queue wait for a seat of any replica, look-back average.", "s",
+     "Head-of-queue wait for a seat, 90th percentile of the look-back window's samples, worst replica.", "s",
      [("{{application}}", "carpool:autoscaler_queue_wait_seconds")], "timeseries"),
     ("Autoscaling: scaling decisions",
      "Changes of the target replica count, up and down.", "short",

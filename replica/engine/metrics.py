@@ -4,8 +4,8 @@ Names carry the ``carpool:`` prefix and vLLM's semantics where the name is share
 and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_name`` and
 ``replica`` on every series, ``finished_reason`` on ``request_success_total``, ``position`` on
 ``spec_decode_num_accepted_tokens_per_pos_total``, ``adapter`` on ``lora_requests_running`` and
-``lora_requests_waiting``, ``priority`` on ``num_preemptions_by_priority_total`` and
-``request_queue_time_by_priority_seconds``.
+``lora_requests_waiting``, ``priority`` on ``num_preemptions_by_priority_total``,
+``request_queue_time_by_priority_seconds`` and ``time_to_first_token_by_priority_seconds``.
 
 Priority: the label is the request's ``priority`` (vLLM's: lower runs first) as a decimal string,
 clamped into ``[-PRIORITY_LABEL_BOUND, PRIORITY_LABEL_BOUND]``, the two ends written ``<=-4`` and
@@ -185,6 +185,11 @@ class EngineMetrics:
             "Arrival to first scheduled, by the request's priority (label priority: -3 to 3, else <=-4 or >=4).",
             names + ["priority"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self._ttft_by_priority = Histogram(
+            "carpool:time_to_first_token_by_priority_seconds",
+            "Arrival to first generated token (TTFT), by the request's priority (label as on the queue time).",
+            names + ["priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )
 
     # ---- hooks the engine calls -----------------------------------------------------------------
     def on_state(self, *, num_slots: int, num_running: int, num_waiting: int, num_free_blocks: int, num_total_blocks: int) -> None:
@@ -256,10 +261,14 @@ class EngineMetrics:
     def on_prompt_prefilled(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def on_token(self, *, first: bool, since_previous_s: float) -> None:
-        """A request got a token: TTFT for its first, ITL for the others."""
+    def on_token(self, *, first: bool, since_previous_s: float, priority: int = 0) -> None:
+        """A request (of ``priority``) got a token: TTFT for its first, ITL for the others."""
         self.generation_tokens.inc()
-        (self.time_to_first_token if first else self.inter_token_latency).observe(since_previous_s)
+        if first:
+            self.time_to_first_token.observe(since_previous_s)
+            self._ttft_by_priority.labels(**self.labels, priority=priority_label(priority)).observe(since_previous_s)
+        else:
+            self.inter_token_latency.observe(since_previous_s)
 
     def on_finished(self, finish_reason: str, e2e_s: float) -> None:
         """A request finished (once per request), aborts included."""

@@ -85,7 +85,7 @@ class OutputProcessor:
             # per step; per token, its sum still equals the request's decode time).
             since = (now - previous) / len(token_ids)
             for k in range(len(token_ids)):
-                metrics.on_token(first=first and k == 0, since_previous_s=since)
+                metrics.on_token(first=first and k == 0, since_previous_s=since, priority=request.priority)
         if request.is_finished:
             self._finished(request, now)
         if logprobs is not None:

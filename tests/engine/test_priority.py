@@ -77,8 +77,14 @@ def test_tokens_do_not_change_with_priorities_and_preemptions(tiny_llama, alone_
         "carpool:num_preemptions_total", LABELS)
     assert preempted["2"] > 0 and preempted["-1"] == preempted["0"] == 0
     for label, count in (("2", 6), ("0", 2), ("1", 1), ("-1", 1)):
-        name = "carpool:request_queue_time_by_priority_seconds_count"
-        assert metrics.registry.get_sample_value(name, {**LABELS, "priority": label}) == count
+        for name in ("request_queue_time_by_priority_seconds_count", "time_to_first_token_by_priority_seconds_count"):
+            assert metrics.registry.get_sample_value(f"carpool:{name}", {**LABELS, "priority": label}) == count, name
+    # Each request's TTFT once, in its priority's series: the series add up to the unlabelled histogram.
+    ttft_by_priority = sum(
+        metrics.registry.get_sample_value("carpool:time_to_first_token_by_priority_seconds_sum", {**LABELS, "priority": label})
+        for label in ("-1", "0", "1", "2")
+    )
+    assert ttft_by_priority == pytest.approx(metrics.registry.get_sample_value("carpool:time_to_first_token_seconds_sum", LABELS))
     assert_idle(engine)
 
 
