@@ -268,17 +268,6 @@ def compile_decoder(model: torch.nn.Module) -> None:
     model.get_decoder().compile()
 
 
-def mark_pool_dynamic(caches: list[torch.Tensor]) -> None:
-    """Leave the KV pool's size (dim 0 of each layer's ``[slots, H_kv, D]`` cache) symbolic in the
-    compiled graph, so that one graph (and its cache entry) serves every pool size of a model and
-    dtype: nothing in a step's code depends on it. ``maybe_mark_dynamic``: a backend that does
-    specialize on it compiles as before instead of failing."""
-    import torch._dynamo
-
-    for cache in caches:
-        torch._dynamo.maybe_mark_dynamic(cache, 0)
-
-
 def mark_step_dynamic(input_ids: torch.Tensor, position_ids: torch.Tensor, decode) -> None:
     """Tell dynamo which sizes of a step's inputs vary (tokens; block-table width), so that the
     first compile is already the general one."""

@@ -45,7 +45,7 @@ from replica.core.scheduler_output import SchedulerOutput
 from replica.lora.layers import wrap_forwards
 from replica.lora.slots import make_slots
 from replica.sample.sampler import cpu_inversion
-from replica.worker.compilation import compile_decoder, mark_pool_dynamic, mark_step_dynamic, prepack_linears, use_compile_cache
+from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
 from replica.worker.input_batch import InputBatch, ModelInputs, decode_arrays
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
@@ -176,7 +176,6 @@ class ModelRunner:
                 self.use_cuda_graphs = False
             if compile:
                 use_compile_cache(str(cache_dir() / "inductor"))
-                mark_pool_dynamic(self.kv_cache.key_cache + self.kv_cache.value_cache)
                 compile_decoder(self.model)
             # The compiled decoder sees at least 2 tokens and 2 block-table columns (see compilation).
             self.min_step_tokens = 2 if compile else 1
