@@ -2,7 +2,7 @@
 engine: tokens never change because of priority (greedy, fp32, eager, the tiny Llama), even with
 high-priority arrivals preempting running requests, synchronous and with async scheduling; the
 queue order shows in which request finishes first; a nonzero priority is refused under ``fcfs``
-by the field's name; the preemptions and queue waits are counted by priority.
+by the field's name; the preemptions, queue waits and TTFTs are counted by priority.
 """
 
 from __future__ import annotations

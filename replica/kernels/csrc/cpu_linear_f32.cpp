@@ -39,7 +39,6 @@
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/TensorOperators.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -315,7 +314,8 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   shape.back() = N;
   if (K == 0) {  // an empty sum: the bias alone
     auto y = at::zeros(shape, x.options());
-    return has_bias ? y + bias->to(dtype) : y;
+    if (has_bias) y.add_(bias->to(dtype));
+    return y;
   }
   auto y = at::empty(shape, x.options());
   if (rows == 0) return y;
