@@ -190,6 +190,10 @@ class EngineMetrics:
             "Arrival to first generated token (TTFT), by the request's priority (label as on the queue time).",
             names + ["priority"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        # Priority 0 (every request under fcfs) exists from the start, so that rate() over a
+        # scrape window also counts the first request of that priority.
+        for by_priority in (self._preemptions_by_priority, self._queue_time_by_priority, self._ttft_by_priority):
+            by_priority.labels(**self.labels, priority=priority_label(0))
 
     # ---- hooks the engine calls -----------------------------------------------------------------
     def on_state(self, *, num_slots: int, num_running: int, num_waiting: int, num_free_blocks: int, num_total_blocks: int) -> None:

@@ -54,6 +54,11 @@ def test_tokens_do_not_change_with_priorities_and_preemptions(tiny_llama, alone_
         model=tiny_llama, **ENGINE, max_num_seqs=3, num_blocks=10, max_model_len=160, scheduling_policy="priority",
         async_scheduling=async_scheduling, metrics=metrics,
     )
+    # Priority 0's series exist before any request (at 0), the others once used.
+    for name in ("num_preemptions_by_priority_total", "request_queue_time_by_priority_seconds_count",
+                 "time_to_first_token_by_priority_seconds_count"):
+        assert metrics.registry.get_sample_value(f"carpool:{name}", {**LABELS, "priority": "0"}) == 0, name
+        assert metrics.registry.get_sample_value(f"carpool:{name}", {**LABELS, "priority": "2"}) is None, name
     requests = [engine.make_request(None, prompt_token_ids=ids, sampling_params=_params(m), priority=p) for ids, m, p in WORKLOAD]
     pending, step = list(requests), 0
     while pending or engine.has_unfinished_requests():
