@@ -159,12 +159,10 @@ class RequestPreparer:
             if isinstance(p, str):
                 self._check_prompt_chars(p, info, param)
                 ids = await asyncio.to_thread(self._encode, p, param, True)
-                texts.append(p)
-                self._check_prompt(ids, info, param, scores_prompt_only(body.max_tokens))
             else:
                 ids = list(p)
-                self._check_prompt(ids, info, param, scores_prompt_only(body.max_tokens))  # before decoding them
-                texts.append(self.tokenizer.decode(ids) if body.echo else "")
+            self._check_prompt(ids, info, param, scores_prompt_only(body.max_tokens))  # token ids before decoding them
+            texts.append(p if isinstance(p, str) else self.tokenizer.decode(ids) if body.echo else "")
             prompts.append(ids)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:  # echo scores the prompt too
