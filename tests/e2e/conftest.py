@@ -37,6 +37,13 @@ import pytest
 # shares the 2 cores with another test file all along.
 E2E_TIMEOUT_S = 420
 
+# How long a disconnected request may take to leave the replica. Also a hang guard, not a speed
+# check: an abort crosses Serve's proxy, the ingress and the replica, three processes that share
+# the 2 cores with the other xdist worker (a cold compile there starved one for over 1.5 s in CI).
+# The disconnect tests show that the request was aborted by counting it
+# (``carpool:requests_aborted_total``) and the tokens it was not given.
+ABORT_WITHIN_S = 10.0
+
 
 def pytest_configure(config):
     # Ray Serve's own pydantic models use deprecated Field arguments; not ours to fix.
@@ -116,6 +123,19 @@ class Served:
         import ray
 
         return ray.get([a.record_routing_stats.remote() for a in self.replica_actors()], timeout=30)
+
+    def metrics(self) -> dict[str, float]:
+        """``carpool:*`` samples of ``/metrics`` summed over replicas and labels (counters under
+        their ``_total`` name)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.root_url + "/metrics", timeout=30).text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        return values
 
     def wait_idle(self, timeout_s: float = 5.0) -> list[dict]:
         """Poll until every replica shows 0 running, 0 waiting, all blocks free; return the stats."""

@@ -2,8 +2,8 @@
 
 One replica with 2 seats, so that a third request really waits in the engine's queue, and a
 step budget of 8 tokens, so that a long prompt takes many prefill steps before its first token.
-After each disconnect the replica must drop the request within a second (about one step), keep
-serving the others, and its ``carpool:num_requests_running`` / ``num_requests_waiting`` /
+After each disconnect the replica must drop the request (counted in
+``carpool:requests_aborted_total``, with no more tokens generated for it), keep serving the others, and its ``carpool:num_requests_running`` / ``num_requests_waiting`` /
 ``kv_cache_usage_perc`` must read 0 once the load is gone. (Disconnects mid-stream and during a
 running non-streaming request are in ``test_api.py``.)
 """
@@ -15,10 +15,10 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
+from tests.e2e.conftest import ABORT_WITHIN_S
 
 ENGINE = EngineConfig(dtype="auto", max_num_seqs=2, max_num_batched_tokens=8, num_blocks=64, max_model_len=512, compile=False)
 CONFIG = ServeConfig(app_name="e2e-disconnects", engine=ENGINE)
@@ -30,18 +30,8 @@ def served(deploy):
         yield served
 
 
-def metrics(served) -> dict[str, float]:
-    """``carpool:*`` samples summed over replicas and labels (counters under their ``_total`` name)."""
-    text = httpx.get(served.root_url + "/metrics", timeout=30).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
 def assert_gauges_zero(served) -> None:
-    m = metrics(served)
+    m = served.metrics()
     for name in ("carpool:num_requests_running", "carpool:num_requests_waiting", "carpool:kv_cache_usage_perc"):
         assert m[name] == 0.0, (name, m[name])
 
@@ -84,7 +74,7 @@ class LongStream:
 def test_disconnect_while_queued(served):
     """Both seats taken: a queued stream and a queued non-streaming request whose clients leave
     are dropped from the waiting queue, and the two running requests carry on."""
-    before = metrics(served)["carpool:requests_aborted_total"]
+    before = served.metrics()["carpool:requests_aborted_total"]
     with httpx.Client(timeout=60) as client:
         seats = [LongStream(client, served), LongStream(client, served)]
         try:
@@ -97,7 +87,7 @@ def test_disconnect_while_queued(served):
             assert queued.status_code == 200
             wait_for(lambda: served.stats()[0]["num_waiting"] == 1, 10, "the stream to be queued")
             queued.close()
-            took = wait_for(lambda: served.stats()[0]["num_waiting"] == 0, 1.0, "the queued stream to go")
+            wait_for(lambda: served.stats()[0]["num_waiting"] == 0, ABORT_WITHIN_S, "the queued stream to go")
             s = served.stats()[0]
             assert s["num_running"] == 2, s
 
@@ -116,17 +106,15 @@ def test_disconnect_while_queued(served):
             thread.start()
             wait_for(lambda: served.stats()[0]["num_waiting"] == 1, 10, "the request to be queued")
             thread.join(30)
-            gone = time.monotonic()
-            wait_for(lambda: served.stats()[0]["num_waiting"] == 0, 1.0, "the queued request to go")
+            wait_for(lambda: served.stats()[0]["num_waiting"] == 0, ABORT_WITHIN_S, "the queued request to go")
             assert not failures, failures
             s = served.stats()[0]
             assert s["num_running"] == 2 and s["num_steps"] > steps, s  # the seats kept generating
-            assert time.monotonic() - gone < 1.0 and took < 1.0
         finally:
             for r in seats:
                 r.close()
-    served.wait_idle(timeout_s=1.0)
-    m = metrics(served)
+    served.wait_idle(timeout_s=ABORT_WITHIN_S)
+    m = served.metrics()
     assert m["carpool:requests_aborted_total"] - before == 4  # 2 queued + the 2 seat holders
     assert_gauges_zero(served)
 
@@ -139,12 +127,12 @@ def test_disconnect_before_the_first_token(served):
     body = {"model": served.model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
     url = served.base_url + "/completions"
     with httpx.Client(timeout=60) as client:
-        before = metrics(served)
+        before = served.metrics()
         response = client.send(client.build_request("POST", url, json=body), stream=True)
         assert response.status_code == 200
         response.close()
-        served.wait_idle(timeout_s=1.0)
-        after = metrics(served)
+        served.wait_idle(timeout_s=ABORT_WITHIN_S)
+        after = served.metrics()
         # It may have been cancelled before it reached the engine; it never produced a token.
         assert after["carpool:requests_aborted_total"] - before["carpool:requests_aborted_total"] in (0, 1)
         assert after["carpool:generation_tokens_total"] == before["carpool:generation_tokens_total"]
@@ -155,28 +143,31 @@ def test_disconnect_before_the_first_token(served):
         assert response.status_code == 200
         wait_for(lambda: served.stats()[0]["num_running"] == 1, 10, "the request to take a seat")
         response.close()
-    closed = time.monotonic()
-    served.wait_idle(timeout_s=1.0)
-    assert time.monotonic() - closed < 1.0
-    after = metrics(served)
+    served.wait_idle(timeout_s=ABORT_WITHIN_S)
+    after = served.metrics()
     assert after["carpool:requests_aborted_total"] - before["carpool:requests_aborted_total"] == 1
     assert after["carpool:generation_tokens_total"] == before["carpool:generation_tokens_total"]
     assert_gauges_zero(served)
 
 
 def test_disconnect_mid_stream_and_mid_generation_reset_the_gauges(served):
-    """Mid-stream (several tokens read) and a non-streaming request cut off while it generates."""
+    """Mid-stream (several tokens read) and a non-streaming request cut off while it generates:
+    both are aborted, well short of their 400 tokens."""
+    before = served.metrics()
     with httpx.Client(timeout=60) as client:
         stream = LongStream(client, served)
         for _ in range(3):
             assert stream.next_event() != "[DONE]"
         assert served.stats()[0]["num_running"] == 1
         stream.close()
-    served.wait_idle(timeout_s=1.0)
+    served.wait_idle(timeout_s=ABORT_WITHIN_S)
     assert_gauges_zero(served)
 
     body = {"model": served.model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(served.base_url + "/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
-    served.wait_idle(timeout_s=1.0)
+    served.wait_idle(timeout_s=ABORT_WITHIN_S)
     assert_gauges_zero(served)
+    after = served.metrics()
+    assert after["carpool:requests_aborted_total"] - before["carpool:requests_aborted_total"] == 2
+    assert after["carpool:generation_tokens_total"] - before["carpool:generation_tokens_total"] < 400
