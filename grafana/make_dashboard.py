@@ -109,8 +109,8 @@ PANELS = [
      "Adapters loaded into a device slot per second, per replica (each a miss: a request's adapter was not in a slot). "
      "Adapter-aware routing keeps it low.", "ops",
      [("{{replica}}", f"sum by (replica) (rate(carpool:lora_adapter_loads_total{{{SEL}}}[{RATE}]))")], "timeseries"),
-    # Priorities (--scheduling-policy priority; under fcfs every request has priority 0).
-    ("Priorities", "", "", [], ROW),
+    # Priorities (--scheduling-policy priority; under fcfs every request has priority 0) and latency targets.
+    ("Priorities and latency targets", "", "", [], ROW),
     ("Queue time by priority",
      "90th percentile of arrival to first scheduled, per request priority (lower runs first).", "s",
      [("priority {{priority}}", f"histogram_quantile(0.9, sum by (le, priority) "
@@ -125,6 +125,10 @@ PANELS = [
      "Requests preempted per second, by the preempted request's priority. Without preemptions, one line at 0.", "ops",
      [("priority {{priority}}", f"sum by (priority) (rate(carpool:num_preemptions_by_priority_total{{{SEL}}}[{RATE}])) "
                                 f"or on() (0 * sum(carpool:num_preemptions_total{{{SEL}}}))")], "timeseries"),
+    ("Latency targets: outcomes",
+     "Requests with latency targets (x-slo-ttft-ms, x-slo-tpot-ms headers) per second, by outcome: met (the "
+     "goodput), missed (served late), shed (refused with 429 at arrival, as they asked with x-slo-shed).", "reqps",
+     [("{{outcome}}", f"sum by (outcome) (rate(carpool:requests_slo_total{{{SEL}}}[{RATE}]))")], "timeseries"),
     # Autoscaling (the Carpool policy's series, per Serve application; empty while replicas are fixed).
     ("Autoscaling", "", "", [], ROW),
     ("Autoscaling: replicas",

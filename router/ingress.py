@@ -42,7 +42,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -64,6 +64,7 @@ from router.request.protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from router.request.slo_headers import latency_targets
 from router.response.responses import EventStream, ResponseFormatter, sse_frames
 
 logger = logging.getLogger(__name__)
@@ -209,14 +210,17 @@ class OpenAIIngress:
         }
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        """OpenAI's completions: one JSON body, or server-sent events with ``stream``."""
+    async def completions(self, body: CompletionRequest, http: Request):
+        """OpenAI's completions: one JSON body, or server-sent events with ``stream``. Latency
+        targets come from the headers (``router/request/slo_headers.py``)."""
+        slo = latency_targets(http.headers)
         self.fanout.admit()
         lora = await self.adapters.lora_request(body.model)
         choices, param = self.checks.check_completion(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
         prepared = await self.preparer.completion(body, await self.replicas.model_info(), lora)
+        prepared.slo = slo
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.completion_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
@@ -224,14 +228,17 @@ class OpenAIIngress:
         return self.responses.completion_body(prepared, body, await self.fanout.run_all(prepared))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        """OpenAI's chat completions: one JSON body, or server-sent events with ``stream``."""
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request):
+        """OpenAI's chat completions: one JSON body, or server-sent events with ``stream``.
+        Latency targets come from the headers (``router/request/slo_headers.py``)."""
+        slo = latency_targets(http.headers)
         self.fanout.admit()
         lora = await self.adapters.lora_request(body.model)
         choices, param = self.checks.check_chat(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
         prepared = await self.preparer.chat(body, await self.replicas.model_info(), lora)
+        prepared.slo = slo
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.chat_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))

@@ -47,6 +47,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # vLLM's: lower runs first; only the "priority" scheduling policy reads it (replica.core.waiting_queue).
     priority: int = 0
+    # The request's latency targets (replica.protocol.slo.LatencyTargets) or None: counted met or
+    # missed when it finishes (EngineMetrics.on_slo).
+    slo: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

@@ -291,7 +291,7 @@ class LLMEngine(EngineReporting):
                 num_slots=self.scheduler.max_num_seqs,
                 duration_s=time.monotonic() - started,
             )
-        self._refresh_stats()
+        self._refresh_stats(None if out.is_empty else time.monotonic() - started)
         self._notify_step(out, started)
         return outputs
 

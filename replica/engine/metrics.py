@@ -5,7 +5,9 @@ and dashboards carry over (vLLM docs, "Production Metrics"). Labels: ``model_nam
 ``replica`` on every series, ``finished_reason`` on ``request_success_total``, ``position`` on
 ``spec_decode_num_accepted_tokens_per_pos_total``, ``adapter`` on ``lora_requests_running`` and
 ``lora_requests_waiting``, ``priority`` on ``num_preemptions_by_priority_total``,
-``request_queue_time_by_priority_seconds`` and ``time_to_first_token_by_priority_seconds``.
+``request_queue_time_by_priority_seconds`` and ``time_to_first_token_by_priority_seconds``,
+``outcome`` on ``requests_slo_total`` (``met``, ``missed``, ``shed``: requests with latency
+targets, ``replica.protocol.slo``; aborted ones are not counted).
 
 Priority: the label is the request's ``priority`` (vLLM's: lower runs first) as a decimal string,
 clamped into ``[-PRIORITY_LABEL_BOUND, PRIORITY_LABEL_BOUND]``, the two ends written ``<=-4`` and
@@ -40,6 +42,7 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 FINISH_REASONS = ("stop", "length", "abort")
+SLO_OUTCOMES = ("met", "missed", "shed")
 PRIORITY_LABEL_BOUND = 4  # priority labels: -3 .. 3 as themselves, "<=-4" and ">=4" for the rest
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # replica.protocol.constraints.KINDS
 COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -120,6 +123,14 @@ class EngineMetrics:
         }
         self.requests_aborted = counter("requests_aborted", "Requests aborted (client gone or cancelled).")
         self.requests_rejected = counter("requests_rejected", "Requests refused at admission (bad input, overload).")
+        self._slo = Counter(
+            "carpool:requests_slo",
+            "Requests with latency targets by outcome: met, missed (served late), shed (refused "
+            "with 429 at arrival, as they asked, since they were predicted late). Goodput: met.",
+            names + ["outcome"],
+            registry=r,
+        )
+        self.requests_slo = {outcome: self._slo.labels(**self.labels, outcome=outcome) for outcome in SLO_OUTCOMES}
         # Structured output
         self._constrained = Counter(
             "carpool:structured_output_requests",
@@ -283,6 +294,10 @@ class EngineMetrics:
 
     def on_rejected(self) -> None:
         self.requests_rejected.inc()
+
+    def on_slo(self, outcome: str) -> None:
+        """A request with latency targets ended: ``met``, ``missed`` or ``shed`` (:data:`SLO_OUTCOMES`)."""
+        self.requests_slo[outcome].inc()
 
     def on_grammar_compiled(self, kind: str, seconds: float, cached: bool) -> None:
         """A constrained request's constraint was compiled (``cached``: copied from the cache)."""

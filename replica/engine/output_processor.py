@@ -121,3 +121,16 @@ class OutputProcessor:
         self.detokenizers.pop(request.request_id, None)
         if self.metrics is not None:
             self.metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
+            if request.slo is not None and request.finish_reason is not FinishReason.ABORT:
+                self.metrics.on_slo("met" if slo_met(request, now) else "missed")
+
+
+def slo_met(request: Request, now: float) -> bool:
+    """Whether ``request``, finished at ``now``, met its latency targets (``request.slo``): TTFT
+    from its arrival at this engine to its first token; TPOT the mean gap after the first token
+    (``(now - first token) / (output tokens - 1)``); a request that scored its prompt only has
+    its TTFT at its end."""
+    first = request.first_token_time if request.first_token_time is not None else now
+    n = request.num_output_tokens
+    tpot = (now - first) / (n - 1) if n > 1 else None
+    return request.slo.met(first - request.arrival_time, tpot)

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from replica.engine.admission import update_step_cost
 from replica.engine.stats import EngineInfo, EngineStats, SpecDecodeStats, StepRecord
 
 logger = logging.getLogger("replica.engine.llm_engine")
@@ -29,6 +30,7 @@ class EngineReporting:
 
     _step_observers: tuple[StepObserver, ...] = ()
     _observers_lock = threading.Lock()  # adding and removing only; the engine's thread reads the tuple
+    _step_cost: float | None = None  # seconds, the weighted mean of the steps that ran work
 
     # ---- step observers ----------------------------------------------------------------------
     def add_step_observer(self, callback: StepObserver) -> Callable[[], None]:
@@ -85,10 +87,13 @@ class EngineReporting:
         so another thread may read it while the engine steps (``AsyncLLMEngine`` does)."""
         return self._stats
 
-    def _refresh_stats(self) -> None:
+    def _refresh_stats(self, step_s: float | None = None) -> None:
         """Take the load snapshot that :meth:`stats` returns, once per change (a step, an added or
-        aborted request), and set the metrics' gauges from it."""
-        self._stats = stats = EngineStats.of(self.scheduler, self.block_manager)
+        aborted request), and set the metrics' gauges from it. ``step_s``: the seconds of the step
+        that just ran work, folded into the step cost's mean (``EngineStats.step_time_s``)."""
+        if step_s is not None:
+            self._step_cost = update_step_cost(self._step_cost, step_s)
+        self._stats = stats = EngineStats.of(self.scheduler, self.block_manager, self._step_cost)
         self._lora_stats = self.lora.snapshot(self.scheduler) if self.lora is not None else None
         if self.metrics is not None:
             self.metrics.on_state(

@@ -104,6 +104,7 @@ def request_from_envelope(
     request = _request(envelope.request_id, list(envelope.prompt_token_ids), params, None, eos_token_ids, grammar_compiler)
     request.lora = adapter
     request.priority = priority
+    request.slo = envelope.slo
     return request
 
 

@@ -6,9 +6,11 @@ took effect: dtype, device, KV blocks, async scheduling, CUDA graphs). Torch-fre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from replica.core.waiting_queue import priority_counts
+from replica.engine.admission import MAX_LISTED_WAITING, steps_left
 from replica.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["EngineInfo", "EngineStats", "SpecDecodeStats", "StepRecord", "StepRow"]
@@ -40,6 +42,14 @@ class EngineStats:
     # Priority scheduling policy only (else empty): ((priority, running + waiting requests), ...),
     # lowest value first, at most 16 pairs (replica.core.waiting_queue.priority_counts).
     priority_counts: tuple[tuple[int, int], ...] = ()
+    # Admission by latency target (replica.engine.admission): the step cost's weighted mean
+    # (seconds; None before the first timed step), the token budget per step, each running
+    # request's steps left at most (ascending), and each waiting request's (priority, steps at
+    # most) in queue order (the first MAX_LISTED_WAITING).
+    step_time_s: float | None = None
+    token_budget: int = 0
+    seat_steps: tuple[int, ...] = ()
+    waiting_steps: tuple[tuple[int, int], ...] = ()
 
     def queue_wait_s(self, now: float) -> float:
         """How long (seconds) the longest-waiting request has waited for a seat at ``now``
@@ -52,8 +62,10 @@ class EngineStats:
         return self.num_running / self.num_slots
 
     @classmethod
-    def of(cls, scheduler: Scheduler, block_manager: BlockManager) -> "EngineStats":
-        """The snapshot of ``scheduler`` and ``block_manager`` now."""
+    def of(cls, scheduler: Scheduler, block_manager: BlockManager, step_time_s: float | None = None) -> "EngineStats":
+        """The snapshot of ``scheduler`` and ``block_manager`` now; ``step_time_s``: the step
+        cost's weighted mean (:func:`replica.engine.admission.update_step_cost`)."""
+        budget = scheduler.max_num_batched_tokens
         return cls(
             num_slots=scheduler.max_num_seqs,
             num_running=scheduler.num_running,
@@ -68,6 +80,10 @@ class EngineStats:
             num_cached_blocks=block_manager.num_cached_blocks,
             head_waiting_since=_oldest_arrival(scheduler),
             priority_counts=priority_counts(scheduler.requests.values()) if scheduler.scheduling_policy == "priority" else (),
+            step_time_s=step_time_s,
+            token_budget=budget,
+            seat_steps=tuple(sorted(_steps_left(r, budget) for r in scheduler.running)),
+            waiting_steps=tuple((r.priority, _steps_left(r, budget)) for r in islice(scheduler.waiting, MAX_LISTED_WAITING)),
         )
 
 
@@ -190,6 +206,14 @@ class EngineInfo:
     enable_prefix_caching: bool
     tensor_parallel_size: int
     speculative_config: dict | None = None
+
+
+def _steps_left(request, token_budget: int) -> int:
+    """Steps ``request`` needs at most to finish (:func:`replica.engine.admission.steps_left`)."""
+    return steps_left(
+        request.num_tokens - 1 - request.num_computed_tokens,
+        request.sampling_params.max_tokens, request.num_output_tokens, token_budget,
+    )
 
 
 def _oldest_arrival(scheduler) -> float | None:

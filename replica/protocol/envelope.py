@@ -1,7 +1,7 @@
 """One request as it travels from the ingress to a replica: :class:`RequestEnvelope`.
 
 Everything a replica needs to run one request (its id, prompt token ids, sampling parameters,
-adapter), scheduling fields (``priority``; ``deadline_s``: carried, not used yet), and
+adapter), scheduling fields (``priority``; ``slo``: latency targets), and
 the hints the ingress computes for the request router (:class:`RoutingHints`: the prompt's prefix
 block hashes, the adapter's name). The ingress builds one per choice once the request has passed
 the request checks (:mod:`replica.protocol.request_checks`, ``router/request/preparation.py``); it sends it
@@ -20,6 +20,7 @@ from typing import Sequence
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.prefix_hash import ROOT, block_hashes
 from replica.protocol.sampling_params import SamplingParams
+from replica.protocol.slo import LatencyTargets
 
 ENVELOPE_KEYWORD = "request"
 """The keyword argument of ``LLMReplica.generate``/``generate_all`` that carries the envelope
@@ -69,7 +70,9 @@ class RequestEnvelope:
         priority: scheduling priority as vLLM's (lower runs first; 0 by default): the replica's
             ``priority`` scheduling policy orders its queue by it, and the request router ranks
             replicas by the requests it would not overtake (``router/routing/ranking.py``).
-        deadline_s: latency target, seconds after arrival; carried, not used yet.
+        slo: the request's latency targets (:class:`~replica.protocol.slo.LatencyTargets`), or
+            None: the replica may refuse it when it asked to be shed and would be late
+            (``replica/engine/admission.py``), and counts whether it met them.
     """
 
     request_id: str
@@ -78,5 +81,5 @@ class RequestEnvelope:
     routing: RoutingHints
     lora_request: LoRARequest | None = None
     priority: int = 0
-    deadline_s: float | None = None
+    slo: LatencyTargets | None = None
 

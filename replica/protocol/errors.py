@@ -21,6 +21,27 @@ class ReplicaOverloadedError(RuntimeError):
     refused before anything was queued (the ingress answers 429 with ``Retry-After``)."""
 
 
+class LatencyTargetError(ReplicaOverloadedError):
+    """A request that asked to be shed rather than served late (``LatencyTargets.shed``) would
+    miss its time-to-first-token target on this replica: it was refused before anything was
+    queued (the ingress answers 429 with ``Retry-After``).
+
+    Attributes:
+        predicted_s: the replica's predicted TTFT (seconds); ``target_s``: the request's target.
+    """
+
+    def __init__(self, predicted_s: float, target_s: float) -> None:
+        super().__init__(
+            f"the predicted time to first token ({predicted_s:.2f} s) exceeds the request's target "
+            f"({target_s:.2f} s, x-slo-ttft-ms) and the request asked to be shed (x-slo-shed)"
+        )
+        self.predicted_s = predicted_s
+        self.target_s = target_s
+
+    def __reduce__(self):  # crosses to the ingress by pickle, attributes included
+        return (type(self), (self.predicted_s, self.target_s))
+
+
 class LoRAAdapterError(ValueError):
     """A LoRA adapter cannot be used: its files are missing or not PEFT's LoRA format, its rank
     exceeds ``max_lora_rank``, its target modules or shapes do not fit the base model, its path is

@@ -35,7 +35,7 @@ from typing import Any
 
 from replica.config.engine_config import EngineConfig
 from replica.protocol.envelope import RequestEnvelope
-from replica.protocol.errors import ReplicaOverloadedError
+from replica.protocol.errors import LatencyTargetError, ReplicaOverloadedError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
 from replica.serve.delta_channel import DeltaChannels
@@ -122,6 +122,8 @@ class LLMReplica:
         Raises:
             ReplicaOverloadedError: the replica already holds ``max_num_seqs +
                 max_waiting_requests`` requests; nothing is queued.
+            replica.protocol.errors.LatencyTargetError: the request asked to be shed rather than
+                served late, and its predicted TTFT here exceeds its target; nothing is queued.
             replica.protocol.errors.LoRAAdapterError: the adapter cannot be used (or LoRA is
                 off); nothing is queued, nothing was yielded.
             ValueError: the request cannot be served (a prompt too long for this engine's
@@ -139,6 +141,7 @@ class LLMReplica:
                 f"replica is full: {self._inflight} requests held, at most {self.max_admitted} "
                 "(max_num_seqs + max_waiting_requests)"
             )
+        self._shed_if_late(request)
         self._inflight += 1
         self._num_requests += 1
         try:
@@ -167,6 +170,20 @@ class LLMReplica:
         finally:
             # Cancellation (client gone) lands here too, after the abort is queued.
             self._inflight -= 1
+
+    def _shed_if_late(self, request: RequestEnvelope) -> None:
+        """Refuse a request that asked to be shed rather than served late
+        (``LatencyTargets.shed``) when this engine predicts its first token after its TTFT target
+        (:func:`~replica.engine.admission.predict_ttft_s`, from the engine's latest snapshot)."""
+        slo = request.slo
+        if slo is None or not slo.shed or slo.ttft_s is None:
+            return
+        from replica.engine.admission import predict_ttft_s
+
+        predicted = predict_ttft_s(self.engine.stats(), len(request.prompt_token_ids), request.priority)
+        if predicted is not None and predicted > slo.ttft_s:
+            self.metrics.on_slo("shed")
+            raise LatencyTargetError(predicted, slo.ttft_s)
 
     def _abort_requests(self, request_ids: list[str]) -> None:
         """Abort these requests in the engine (their ingress is gone: its delta connection ended)."""

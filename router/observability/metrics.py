@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 # (status, code) series of carpool:http_requests_rejected_total that exist before the first refusal
 INGRESS_REFUSALS = (
     (400, "invalid_value"), (401, "invalid_api_key"), (413, "request_too_large"),
-    (415, "unsupported_media_type"), (429, "overloaded"), (503, "unavailable"),
+    (415, "unsupported_media_type"), (429, "overloaded"), (429, "slo_unattainable"), (503, "unavailable"),
 )
 
 
@@ -16,7 +16,7 @@ class IngressMetrics:
 
     ``carpool:http_requests_rejected_total{model_name, replica, status, code}``: requests the
     ingress answered with an error before or instead of serving them (bad input 4xx, 401, 413,
-    415, 429 overload, 503), by HTTP status and OpenAI error ``code``. ``replica`` is the
+    415, 429 overload or a request shed for its latency target, 503), by HTTP status and OpenAI error ``code``. ``replica`` is the
     ingress replica's id.
 
     Args:

@@ -14,6 +14,7 @@ validation errors (:func:`validation_error`), of ``SamplingParams`` refusals
 
 import hmac
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from replica.protocol.errors import (
     EngineDeadError,
     LoRAAdapterError,
+    LatencyTargetError,
     ReplicaOverloadedError,
     RequestAbortedError,
     RequestError,
@@ -72,7 +74,7 @@ def error_response(err: OpenAIError) -> JSONResponse:
     if err.status_code == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     elif err.status_code in (429, 503):
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        headers = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
     if _guard.metrics is not None:
         _guard.metrics.on_rejected(err.status_code, err.code)
     return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
@@ -199,6 +201,33 @@ def lora_error(exc: LoRAAdapterError, param: str = "model") -> OpenAIError:
     return OpenAIError(str(exc), param=param, code="invalid_lora_adapter")
 
 
+MAX_RETRY_AFTER_S = 60
+"""The longest ``Retry-After`` a shed request is told (seconds)."""
+
+
+def latency_target_error(exc: LatencyTargetError) -> OpenAIError:
+    """The 429 ``slo_unattainable`` of a request shed for its TTFT target: ``Retry-After`` is how
+    much later than its target the replica predicted its first token (whole seconds, 1 to
+    :data:`MAX_RETRY_AFTER_S`)."""
+    late_s = exc.predicted_s - exc.target_s
+    retry = MAX_RETRY_AFTER_S if not math.isfinite(late_s) else min(MAX_RETRY_AFTER_S, max(1, math.ceil(late_s)))
+    predicted = f"{exc.predicted_s:.2f} s" if math.isfinite(exc.predicted_s) else "beyond the replica's queue"
+    return OpenAIError(
+        f"the request asked to be shed rather than served late (x-slo-shed), and its predicted time to "
+        f"first token ({predicted}) exceeds its target ({exc.target_s * 1000:.0f} ms, x-slo-ttft-ms); retry later",
+        429, type="overloaded_error", param="x-slo-ttft-ms", code="slo_unattainable", retry_after_s=retry,
+    )
+
+
+def _cause_of(exc: BaseException, kind: type) -> BaseException | None:
+    """``exc`` or the replica's own exception it carries (a ``RayTaskError``'s ``cause``) when that
+    is a ``kind``; else None."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, kind):
+        return cause
+    return exc if isinstance(exc, kind) else None
+
+
 def replica_error(exc: BaseException) -> OpenAIError:
     """Map an exception raised while streaming from a replica to an OpenAI error.
 
@@ -206,7 +235,9 @@ def replica_error(exc: BaseException) -> OpenAIError:
     ``invalid_lora_adapter`` (:func:`lora_error`); a request rule broken
     (:class:`~replica.protocol.errors.RequestError`, e.g. a prompt too long for the replica's own
     ``max_model_len``) → its 400 (:func:`request_error`); another ``ValueError`` (the engine refused the
-    request) → 400; a full replica
+    request) → 400; a request shed for its TTFT target
+    (:class:`~replica.protocol.errors.LatencyTargetError`) → 429 ``slo_unattainable``
+    (:func:`latency_target_error`); a full replica
     (:class:`~replica.protocol.errors.ReplicaOverloadedError`) or a full handle queue (Serve's
     ``BackPressureError``) → 429 with ``Retry-After``; an internal error of the engine that ended
     this request alone (``RequestFailedError``) → 500; anything else (the replica process died,
@@ -215,6 +246,9 @@ def replica_error(exc: BaseException) -> OpenAIError:
     """
     if isinstance(exc, OpenAIError):
         return exc
+    late = _cause_of(exc, LatencyTargetError)
+    if late is not None:
+        return latency_target_error(late)
     if isinstance(exc, (ReplicaOverloadedError, BackPressureError)):
         return OpenAIError(
             "the server is at capacity (every replica's waiting queue is full); retry after a moment",

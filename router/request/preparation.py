@@ -26,6 +26,7 @@ from replica.protocol.errors import RequestError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.request_checks import check_priority, check_prompt_fits, check_token_ids, check_vocabulary
 from replica.protocol.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, scores_prompt_only
+from replica.protocol.slo import LatencyTargets
 from router.config import IngressConfig
 from router.request.body_checks import parse_logit_bias
 from router.request.chat_template import ChatEncoder
@@ -65,6 +66,7 @@ class Prepared:
             one; ``model`` is then the adapter's name), or None for the base model.
         block_size: tokens per KV block of the replicas (the routing hints' prefix hashes).
         priority: every choice's scheduling priority (vLLM's: lower runs first; 0 by default).
+        slo: every choice's latency targets (``router/request/slo_headers.py``), or None.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class Prepared:
         self.tool_parser = "hermes"
         self.lora_request: LoRARequest | None = None
         self.priority = 0
+        self.slo: LatencyTargets | None = None
         self._routing: dict[int, RoutingHints] = {}  # per prompt index, computed on first use
 
     def envelope(self, index: int, prompt_index: int, params: SamplingParams) -> RequestEnvelope:
@@ -94,6 +97,7 @@ class Prepared:
         return RequestEnvelope(
             request_id=f"{self.request_id}-{index}", prompt_token_ids=self.prompts[prompt_index],
             sampling_params=params, routing=routing, lora_request=self.lora_request, priority=self.priority,
+            slo=self.slo,
         )
 
     def jobs(self) -> list[tuple[int, int, list[int], SamplingParams]]:

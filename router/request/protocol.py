@@ -57,6 +57,8 @@ class OpenAIError(Exception):
         param: the offending request field (dotted path), if any.
         code: a machine-readable code, e.g. ``model_not_found``; default the status's own
             (:data:`DEFAULT_CODES`), so that no error body has a null ``code``.
+        retry_after_s: the ``Retry-After`` of a 429 or 503 (seconds); None: the default
+            (``router.request.errors.RETRY_AFTER_S``).
     """
 
     def __init__(
@@ -66,8 +68,10 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s
         self.message = message
         self.status_code = status_code
         self.type = type

@@ -1,7 +1,9 @@
 """Overload against a real served app: a burst of 10x the capacity is either served or refused
 with 429 + Retry-After, never a 5xx; each replica holds at most seats + max_waiting_requests.
 
-Two replicas with 2 seats and a waiting bound of 2: capacity 2 x (2 + 2) = 8 requests.
+Two replicas with 2 seats and a waiting bound of 2: capacity 2 x (2 + 2) = 8 requests. Requests
+with latency targets are shed at once (429 ``slo_unattainable``) when they ask to be and would be
+late, or served and counted met or missed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
@@ -193,4 +196,71 @@ def test_a_flood_far_over_every_queue_is_refused_with_json_429_only(served):
             assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded", error
     print(f"\nflood: {FLOOD} requests in {elapsed:.1f}s: {statuses}")
     assert statuses.get(200, 0) >= CAPACITY, statuses
+    served.wait_idle(timeout_s=30)
+
+
+# ---- latency targets (x-slo-ttft-ms, x-slo-tpot-ms, x-slo-shed) ----------------------------------
+LONG_TOKENS = 100
+
+
+def slo_counts(served) -> dict[str, float]:
+    """``carpool:requests_slo_total`` by outcome, summed over the replicas."""
+    counts = {"met": 0.0, "missed": 0.0, "shed": 0.0}
+    for family in text_string_to_metric_families(httpx.get(served.root_url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "carpool:requests_slo_total":
+                counts[sample.labels["outcome"]] += sample.value
+    return counts
+
+
+def test_latency_targets_are_met_shed_at_once_or_counted_missed(served):
+    """Through the ``openai`` client: on an idle server a request with a 60 s TTFT target is served
+    and counted met. With every seat of both replicas held by 100-token requests, a request that
+    asks to be shed for a 50 ms target gets a 429 ``slo_unattainable`` with ``Retry-After`` while
+    the seat holders still run (nothing queued for it); the same request without shedding is
+    served late and counted missed. Bad header values are 400s naming the header."""
+    import openai
+
+    client = served.client
+    before = slo_counts(served)
+    met = client.completions.create(
+        model=served.model, prompt="The sea is", max_tokens=4, temperature=0,
+        extra_headers={"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "60000", "x-slo-shed": "true"},
+    )
+    assert met.choices[0].finish_reason == "length"
+
+    holders = [threading.Thread(target=lambda: results.append(httpx.post(
+        served.base_url + "/completions", timeout=120,
+        json={"model": served.model, "prompt": "The sea is", "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True},
+    ))) for _ in range(REPLICAS * SEATS)]
+    results: list[httpx.Response] = []
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(s["num_running"] == SEATS for s in served.stats()):
+        assert time.monotonic() < deadline, served.stats()
+        time.sleep(0.02)
+    shed_at = {"x-slo-ttft-ms": "50", "x-slo-shed": "true"}
+    for _ in range(3):
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=served.model, prompt="Hi", max_tokens=4, extra_headers=shed_at)
+        error = info.value.body
+        assert error["code"] == "slo_unattainable" and error["param"] == "x-slo-ttft-ms", error
+        assert int(info.value.response.headers["retry-after"]) >= 1
+    stats = served.stats()
+    assert all(s["num_running"] == SEATS and s["num_waiting"] == 0 for s in stats), stats  # still running, none queued
+    late = client.chat.completions.create(
+        model=served.model, messages=CHAT, max_tokens=4, temperature=0, extra_headers={"x-slo-ttft-ms": "50"}
+    )
+    assert late.choices[0].finish_reason == "length"
+    for t in holders:
+        t.join(120)
+    assert [r.status_code for r in results] == [200] * len(holders)
+    after = slo_counts(served)
+    assert {k: after[k] - before[k] for k in after} == {"met": 1, "missed": 1, "shed": 3}
+
+    for headers, param in (({"x-slo-ttft-ms": "soon"}, "x-slo-ttft-ms"), ({"x-slo-shed": "true"}, "x-slo-shed")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=2, extra_headers=headers)
+        assert info.value.body["param"] == param, info.value.body
     served.wait_idle(timeout_s=30)

@@ -116,7 +116,7 @@ def test_a_base_model_request_has_no_adapter_hint():
     envelope = prepared(lora=None).envelope(0, 0, SamplingParams())
     assert envelope.routing.adapter is None and envelope.lora_request is None
     assert envelope.routing.prefix_hashes == tuple(block_hashes(PROMPT, 4))
-    assert envelope.priority == 0 and envelope.deadline_s is None  # carried, unused
+    assert envelope.priority == 0 and envelope.slo is None
 
 
 def test_routing_refuses_a_generate_call_without_its_envelope():

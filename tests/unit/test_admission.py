@@ -1,0 +1,103 @@
+"""Admission by latency target (``replica/engine/admission.py``): the TTFT prediction's rules on
+hand-made engine snapshots (free seat, full seats, the queue as a list scheduling, priorities,
+more waiting than listed), the step cost's weighted mean, the targets' met/missed rule, and the
+headers that carry the targets (``router/request/slo_headers.py``): each bad one a 400 naming it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from replica.engine.admission import MAX_LISTED_WAITING, STEP_COST_WEIGHT, predict_ttft_s, steps_left, update_step_cost
+from replica.engine.stats import EngineStats
+from replica.protocol.slo import LatencyTargets
+from router.request.protocol import OpenAIError
+from router.request.slo_headers import latency_targets
+
+
+def snapshot(*, seats: int = 2, seat_steps=(), waiting=(), step_s: float | None = 0.1, budget: int = 64) -> EngineStats:
+    return EngineStats(
+        num_slots=seats, num_running=len(seat_steps), num_waiting=len(waiting), num_free_blocks=100,
+        num_total_blocks=100, kv_cache_usage=0.0, num_preemptions=0, num_steps=10,
+        step_time_s=step_s, token_budget=budget, seat_steps=tuple(sorted(seat_steps)), waiting_steps=tuple(waiting),
+    )
+
+
+def test_nothing_to_predict_from_before_the_first_timed_step():
+    assert predict_ttft_s(snapshot(step_s=None), 10) is None
+
+
+def test_a_free_seat_costs_only_the_prefill_steps():
+    # 1 running request takes 1 token of the 64-token budget: 63 per step; 100 tokens -> 2 steps
+    assert predict_ttft_s(snapshot(seat_steps=(50,)), 100) == pytest.approx(2 * 0.1)
+    assert predict_ttft_s(snapshot(), 64) == pytest.approx(1 * 0.1)
+
+
+def test_full_seats_wait_for_the_first_seat_to_free():
+    assert predict_ttft_s(snapshot(seat_steps=(30, 5)), 10) == pytest.approx((5 + 1) * 0.1)
+
+
+def test_the_queue_is_list_scheduled_on_the_seats_in_order():
+    # seats free at 5 and 30; waiting: 20 steps (takes the seat at 5, frees it at 25), then 100
+    # steps (takes the one at 25, frees at 125): the new request gets the seat that frees at 30
+    stats = snapshot(seat_steps=(30, 5), waiting=((0, 20), (0, 100)))
+    assert predict_ttft_s(stats, 10) == pytest.approx((30 + 1) * 0.1)
+    # one more waiting request of 1 step takes the seat at 30: then the next is 31
+    stats = snapshot(seat_steps=(30, 5), waiting=((0, 20), (0, 100), (0, 1)))
+    assert predict_ttft_s(stats, 10) == pytest.approx((31 + 1) * 0.1)
+
+
+def test_only_the_waiting_requests_that_run_first_count():
+    stats = snapshot(seat_steps=(30, 5), waiting=((2, 20), (2, 100)))
+    assert predict_ttft_s(stats, 10, priority=0) == pytest.approx((5 + 1) * 0.1)  # it overtakes both
+    assert predict_ttft_s(stats, 10, priority=2) == pytest.approx((30 + 1) * 0.1)  # it waits behind both
+
+
+def test_more_waiting_than_listed_is_infinitely_late():
+    stats = snapshot(seat_steps=(3, 3), waiting=((0, 1),) * MAX_LISTED_WAITING)
+    stats = EngineStats(**{**stats.__dict__, "num_waiting": MAX_LISTED_WAITING + 1})
+    assert predict_ttft_s(stats, 10) == math.inf
+
+
+def test_steps_left_and_step_cost():
+    assert steps_left(100, 20, 0, 64) == 2 + 20  # a new request: its prompt, then its tokens
+    assert steps_left(0, 20, 7, 64) == 13  # decoding
+    assert steps_left(-1, 20, 20, 64) == 0
+    assert update_step_cost(None, 0.5) == 0.5
+    assert update_step_cost(0.5, 1.5) == pytest.approx(0.5 + STEP_COST_WEIGHT * 1.0)
+
+
+def test_targets_met_or_missed():
+    both = LatencyTargets(ttft_s=1.0, tpot_s=0.1)
+    assert both.met(0.9, 0.05) and both.met(1.0, None)
+    assert not both.met(1.1, 0.05) and not both.met(0.5, 0.2)
+    assert LatencyTargets(tpot_s=0.1).met(100.0, 0.1)
+
+
+def test_headers_set_the_targets_in_seconds():
+    assert latency_targets({}) is None
+    assert latency_targets({"x-slo-ttft-ms": "2000"}) == LatencyTargets(ttft_s=2.0)
+    assert latency_targets({"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "50.5", "x-slo-shed": "True"}) == LatencyTargets(
+        ttft_s=0.25, tpot_s=0.0505, shed=True
+    )
+    assert latency_targets({"x-slo-tpot-ms": "40", "x-slo-shed": "0"}) == LatencyTargets(tpot_s=0.04)
+
+
+@pytest.mark.parametrize(
+    "headers, param",
+    [
+        ({"x-slo-ttft-ms": "soon"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "0"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "-5"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "inf"}, "x-slo-ttft-ms"),
+        ({"x-slo-tpot-ms": "nan"}, "x-slo-tpot-ms"),
+        ({"x-slo-ttft-ms": "100", "x-slo-shed": "maybe"}, "x-slo-shed"),
+        ({"x-slo-shed": "true"}, "x-slo-shed"),
+        ({"x-slo-tpot-ms": "10", "x-slo-shed": "true"}, "x-slo-shed"),
+    ],
+)
+def test_a_bad_header_is_a_400_naming_it(headers, param):
+    with pytest.raises(OpenAIError) as info:
+        latency_targets(headers)
+    assert info.value.status_code == 400 and info.value.param == param and param in info.value.message
