@@ -145,6 +145,16 @@ class ServeBenchOptions(_Options):
     )
     timeout: Timeout = None
     max_concurrency: Optional[int] = Field(None, ge=1, description="Most requests in flight at once (default: unbounded).")
+    slo_ttft_ms: Optional[float] = Field(
+        None, gt=0, description="TTFT target of every request (header x-slo-ttft-ms): reports how many met it."
+    )
+    slo_tpot_ms: Optional[float] = Field(
+        None, gt=0, description="Time-per-output-token target of every request (header x-slo-tpot-ms)."
+    )
+    shed: bool = Field(
+        False, description="Ask to be shed rather than served late (header x-slo-shed; needs --slo-ttft-ms): a 429 "
+        "slo_unattainable counts as shed, not as an error.",
+    )
     json_path: JsonPath = None
     progress: Progress = True
 

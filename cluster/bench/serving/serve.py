@@ -56,6 +56,7 @@ class RequestResult:
     error: str | None = None
     conversation: int | None = None  # multi-turn: which conversation, which turn (from 1)
     turn: int | None = None
+    shed_s: float | None = None  # refused with 429 slo_unattainable (asked with --shed): seconds to that answer
 
 
 def bench_prompts(
@@ -109,20 +110,49 @@ def arrival_offsets(num_prompts: int, request_rate: float, seed: int = 0) -> lis
     return offsets
 
 
-async def _one_request(client, model: str, index: int, prompt: str | list[dict], max_tokens: int, result: RequestResult) -> str:
+def slo_headers(slo_ttft_ms: float | None, slo_tpot_ms: float | None, shed: bool) -> dict[str, str]:
+    """The latency-target headers of every request (docs/serving.md, "Latency targets and
+    shedding"). Raises ``ValueError`` for ``shed`` without a TTFT target."""
+    if shed and slo_ttft_ms is None:
+        raise ValueError("--shed needs --slo-ttft-ms (the target a request is shed against)")
+    headers = {}
+    if slo_ttft_ms is not None:
+        headers["x-slo-ttft-ms"] = f"{slo_ttft_ms:g}"
+    if slo_tpot_ms is not None:
+        headers["x-slo-tpot-ms"] = f"{slo_tpot_ms:g}"
+    if shed:
+        headers["x-slo-shed"] = "true"
+    return headers
+
+
+async def _one_request(
+    client, model: str, index: int, prompt: str | list[dict], max_tokens: int, result: RequestResult,
+    headers: dict[str, str] | None = None,
+) -> str:
     """Stream one chat completion, filling ``result`` in place (so a cancelled request keeps its
-    index); ``prompt`` is one user message's text or the whole chat. Returns the reply's text."""
+    index); ``prompt`` is one user message's text or the whole chat; ``headers`` go with it.
+    Returns the reply's text. A 429 ``slo_unattainable`` (the request asked to be shed) sets
+    ``result.shed_s`` instead of raising."""
+    import openai
+
     start = time.perf_counter()
     last = None
     reply: list[str] = []
-    stream = await client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
-        max_tokens=max_tokens,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            extra_headers=headers or None,
+        )
+    except openai.RateLimitError as exc:
+        if (exc.body or {}).get("code") != "slo_unattainable":
+            raise
+        result.shed_s = time.perf_counter() - start
+        return ""
     async for chunk in stream:
         if chunk.usage is not None:
             result.output_tokens = chunk.usage.completion_tokens
@@ -160,6 +190,9 @@ async def run_serve_bench_async(
     tokenizer: str | None = None,
     metrics_url: str | None = None,
     think_time: float = 0.0,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    shed: bool = False,
 ) -> dict:
     """Run the load (see the module docstring) and return the results dict. ``timeout`` in seconds.
 
@@ -171,6 +204,9 @@ async def run_serve_bench_async(
     the opening passages (``first_turn_len`` tokens). Every workload scrapes ``metrics_url``
     (default ``/metrics`` next to ``/v1``) before and after for the prefix cache's hit rate and
     speculative decoding's acceptance. ``seed`` also draws input-grounded's prompts.
+    ``slo_ttft_ms``, ``slo_tpot_ms``, ``shed``: every request's latency targets
+    (:func:`slo_headers`); the results then count the requests that met them (as measured here),
+    missed them, or were shed.
     """
     import openai
 
@@ -194,6 +230,7 @@ async def run_serve_bench_async(
         raise ValueError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--timeout must be positive, got {timeout}")
+    headers = slo_headers(slo_ttft_ms, slo_tpot_ms, shed)
     results = [RequestResult(index=i, max_tokens=n) for i, (_, n) in enumerate(prompts)]
     if multi_turn:
         for r in results:
@@ -233,10 +270,10 @@ async def run_serve_bench_async(
             reply = ""
             try:
                 if semaphore is None:
-                    reply = await _one_request(client, model, result.index, prompt, n, result)
+                    reply = await _one_request(client, model, result.index, prompt, n, result, headers)
                 else:
                     async with semaphore:
-                        reply = await _one_request(client, model, result.index, prompt, n, result)
+                        reply = await _one_request(client, model, result.index, prompt, n, result, headers)
             except asyncio.CancelledError:
                 result.error = f"cancelled: not done within --timeout {timeout} s"
                 raise
@@ -287,7 +324,8 @@ async def run_serve_bench_async(
     extra = {"conversations": conversations, "turns": turns, "first_turn_len": first_turn_len, "think_time_s": think_time} if multi_turn else {}
     return summarize(results, duration, url=url, model=model, request_rate=request_rate, workload=workload,
                      seed=seed, max_concurrency=max_concurrency, timeout=timeout, prefix_cache=prefix_cache,
-                     spec_decode=spec_decode, **extra)
+                     spec_decode=spec_decode, slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "shed": shed} if headers else None,
+                     **extra)
 
 
 def run_serve_bench(url: str, **kwargs) -> dict:

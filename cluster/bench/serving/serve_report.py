@@ -45,11 +45,11 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
     has no speculative decoding counters or they are all 0 (no speculation), else the run's ``num_drafts``, ``num_draft_tokens``,
     ``num_accepted_tokens`` (summed over replicas), ``acceptance_rate`` (accepted ÷ draft tokens),
     ``mean_acceptance_length`` (1 + accepted ÷ drafts) and ``replicas`` (the same per replica).
-    Multi-turn adds ``conversations``,
+    ``slo``: None without latency targets, else :func:`slo_outcomes`. Multi-turn adds ``conversations``,
     ``turns``, ``first_turn_len`` and ``think_time_s``.
     """
     ok = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
+    failed = [r for r in results if not r.ok and r.shed_s is None]
     output_tokens = sum(r.output_tokens for r in ok)
     rate = settings.pop("request_rate")
     timeout = settings.pop("timeout")
@@ -77,16 +77,42 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
         **multi_turn,
         "prefix_cache": settings.get("prefix_cache"),
         "spec_decode": settings.get("spec_decode"),
+        "slo": slo_outcomes(results, settings["slo"]) if settings.get("slo") else None,
         "requests": [
             {
                 "index": r.index, "max_tokens": r.max_tokens, "ok": r.ok, "output_tokens": r.output_tokens,
                 "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1000,
                 "e2e_ms": None if r.e2e_s is None else r.e2e_s * 1000,
                 "error": r.error,
+                **({"shed_ms": r.shed_s * 1000} if r.shed_s is not None else {}),
                 **({"conversation": r.conversation, "turn": r.turn} if r.conversation is not None else {}),
             }
             for r in results
         ],
+    }
+
+
+def slo_outcomes(results: list, targets: dict) -> dict:
+    """The requests' outcomes against their latency ``targets`` (``{"ttft_ms", "tpot_ms", "shed"}``,
+    None: no target), as measured by the client: ``met`` (completed, TTFT and mean time per
+    output token after the first within their targets), ``missed`` (completed late), ``shed``
+    (answered 429 ``slo_unattainable``), ``failed`` (anything else), and the shed answers' latency
+    from sending (``shed_ms``: ``{mean, p50, p90, p99}`` and ``max``)."""
+    ttft, tpot = targets.get("ttft_ms"), targets.get("tpot_ms")
+
+    def on_time(r) -> bool:
+        if ttft is not None and (r.ttft_s is None or r.ttft_s * 1000 > ttft):
+            return False
+        gaps = r.output_tokens - 1
+        return tpot is None or gaps < 1 or (r.e2e_s - r.ttft_s) / gaps * 1000 <= tpot
+
+    done = [r for r in results if r.ok]
+    shed = [r.shed_s for r in results if r.shed_s is not None]
+    met = sum(on_time(r) for r in done)
+    return {
+        **targets, "met": met, "missed": len(done) - met, "shed": len(shed),
+        "failed": sum(1 for r in results if not r.ok and r.shed_s is None),
+        "shed_ms": {**summarize_ms(shed), "max": max(shed) * 1000 if shed else None},
     }
 
 
@@ -117,6 +143,13 @@ def format_table(summary: dict) -> str:
         lines += ["", *format_prefix_cache(summary["prefix_cache"])]
     if summary.get("spec_decode") is not None:  # under the prefix cache's lines, or after a blank line
         lines += ([] if summary.get("prefix_cache") is not None else [""]) + [sd.format_spec_decode(summary["spec_decode"])]
+    slo = summary.get("slo")
+    if slo is not None:
+        lines += ["", f"latency targets: TTFT {num(slo['ttft_ms'], '{:g}')} ms, TPOT {num(slo['tpot_ms'], '{:g}')} ms, "
+                      f"shed {'asked' if slo['shed'] else 'not asked'}",
+                  f"met: {slo['met']}  missed: {slo['missed']}  shed: {slo['shed']}  failed: {slo['failed']}  "
+                  f"shed answered in p50 {num(slo['shed_ms']['p50'])} ms, p99 {num(slo['shed_ms']['p99'])} ms, "
+                  f"max {num(slo['shed_ms']['max'])} ms"]
     if summary["error_messages"]:
         lines += ["", "first errors:"] + [f"  {m}" for m in summary["error_messages"]]
     return "\n".join(lines)
