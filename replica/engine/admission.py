@@ -6,19 +6,26 @@ with ``Retry-After``).
 
 The prediction, in engine steps times the step's measured cost (``EngineStats.step_time_s``):
 
-* seats: each running request frees its seat after at most its steps left (its prompt still to
-  prefill, in steps of the token budget, plus ``max_tokens`` less its output so far); a free seat
-  is free now;
+* seats: each running request frees its seat after at most its steps left (its tokens still to
+  prefill, in steps of the token budget, the last of which samples a token, then one step per
+  further token up to ``max_tokens``; :func:`steps_left`); a free seat is free now;
 * the waiting requests that run before the new one (all of them under ``fcfs``; those of priority
   ``<=`` its own under ``priority``), in queue order, each take the seat that frees first and hold
   it for their own steps at most (a list scheduling of the queue on ``max_num_seqs`` machines);
-* the new request takes the next free seat, then prefills its prompt in steps of what the token
-  budget leaves after one decode token per running request (running requests are served first),
-  and its first token comes out of its last prefill step.
+* the new request waits for the step in flight, takes the next free seat, then prefills its
+  prompt in steps of what the token budget leaves after one decode token per running request
+  (running requests are served first), and its first token comes out of its last prefill step;
+* it is shed when that exceeds :data:`TARGET_HEADROOM` of its target (:func:`would_miss`).
 
-``max_tokens`` is an upper bound on a request's length (it may stop earlier), so the prediction
-errs late: a request is shed a little more often than strictly needed, and one that is admitted
-rarely misses. Preemption by a request of higher priority that arrives later is not foreseen.
+Requests the replica admitted but its engine has not queued yet count as waiting after the
+listed ones (``unseen``), so that a burst is not predicted against the queue it found. An idle
+engine never predicts (the request runs at once).
+
+``max_tokens`` is an upper bound on a request's length (it may stop earlier), so the queue part
+errs late; the step cost is a recent mean, and steps grow slower as the batch fills, which errs
+early. Not foreseen: preemptions under the ``priority`` policy (a new request of higher priority
+takes seats its prediction counts as held; one that arrives later delays it), and the static
+batching baseline's seats, which free only when a whole batch ends.
 Torch-free.
 """
 
@@ -35,18 +42,25 @@ STEP_COST_WEIGHT = 0.1
 """Weight of the newest step in the exponentially weighted mean of the step cost
 (``EngineStats.step_time_s``): about the last 10 steps count."""
 
+TARGET_HEADROOM = 0.85
+"""A request is shed when its predicted TTFT exceeds this fraction of its target: the rest is room
+for what the prediction does not see (steps that slow down as the batch fills and as queued
+prompts prefill, the ingress's own time before the replica). Its error on this CPU is measured
+in docs/bench/latency-targets-cpu.md."""
+
 MAX_LISTED_WAITING = 256
 """The waiting requests whose lengths the stats list (``EngineStats.waiting_steps``); with more
 waiting than that, any prediction is infinite (a request behind 256 others is late)."""
 
 
-def steps_left(num_to_prefill: int, max_tokens: int, num_output_tokens: int, token_budget: int) -> int:
-    """Steps a request needs at most to finish: the known tokens it has still to compute before
-    its next token (``num_tokens - 1 - num_computed_tokens``: its prompt, or prompt and output
-    again after a preemption) in steps of ``token_budget`` tokens, then one step per output token
-    it may still generate."""
-    prefill = -(-max(0, num_to_prefill) // max(1, token_budget))
-    return prefill + max(0, max_tokens - num_output_tokens)
+def steps_left(num_uncomputed: int, max_tokens: int, num_output_tokens: int, token_budget: int) -> int:
+    """Steps a request needs at most to finish: its known tokens still without K/V
+    (``num_tokens - num_computed_tokens``: the prompt, or prompt and output again after a
+    preemption, or the one last token while decoding) in steps of ``token_budget`` tokens, the
+    last of which samples its next token, then one step per further token it may generate."""
+    if num_output_tokens >= max_tokens:
+        return 0 if max_tokens > 0 else -(-max(0, num_uncomputed) // max(1, token_budget))
+    return -(-max(1, num_uncomputed) // max(1, token_budget)) + max_tokens - num_output_tokens - 1
 
 
 def update_step_cost(mean_s: float | None, step_s: float) -> float:
@@ -55,12 +69,17 @@ def update_step_cost(mean_s: float | None, step_s: float) -> float:
     return step_s if mean_s is None else mean_s + STEP_COST_WEIGHT * (step_s - mean_s)
 
 
-def predict_ttft_s(stats: EngineStats, num_prompt_tokens: int, priority: int = 0) -> float | None:
+def predict_ttft_s(
+    stats: EngineStats, num_prompt_tokens: int, priority: int = 0, unseen: tuple[tuple[int, int], ...] = ()
+) -> float | None:
     """Predicted seconds from now to the first token of a request of ``num_prompt_tokens`` prompt
     tokens and ``priority`` added to the engine whose snapshot is ``stats`` (the rules in the
-    module docstring); ``None`` before the engine has timed a step (nothing to predict from);
+    module docstring). ``unseen``: ``(priority, steps)`` of requests already admitted to this
+    engine but not yet in its snapshot; they queue after the listed ones. ``None``: nothing to
+    predict from (no step timed yet), or an idle engine (nothing running, waiting or unseen: the
+    request is served as soon as it can be, and a stale step cost must not refuse it);
     ``math.inf`` when more requests wait than ``stats`` lists."""
-    if stats.step_time_s is None:
+    if stats.step_time_s is None or (stats.num_running == 0 and stats.num_waiting == 0 and not unseen):
         return None
     if stats.num_waiting > len(stats.waiting_steps):
         return math.inf
@@ -68,9 +87,16 @@ def predict_ttft_s(stats: EngineStats, num_prompt_tokens: int, priority: int = 0
     if not seats:
         return math.inf
     heapq.heapify(seats)
-    for waiting_priority, steps in stats.waiting_steps:
+    for waiting_priority, steps in (*stats.waiting_steps, *unseen):
         if waiting_priority <= priority:  # runs before the new request (all of them under fcfs)
             heapq.heapreplace(seats, seats[0] + steps)
     budget = max(1, stats.token_budget - min(stats.num_running, stats.token_budget - 1))
     prefill_steps = -(-max(1, num_prompt_tokens) // budget)
-    return (seats[0] + prefill_steps) * stats.step_time_s
+    return (1 + seats[0] + prefill_steps) * stats.step_time_s
+
+
+def would_miss(predicted_s: float | None, target_s: float) -> bool:
+    """Whether a request predicted to reach its first token in ``predicted_s`` (None: no
+    prediction) is shed for a TTFT target of ``target_s``: the prediction exceeds
+    :data:`TARGET_HEADROOM` of the target."""
+    return predicted_s is not None and predicted_s > TARGET_HEADROOM * target_s

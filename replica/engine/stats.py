@@ -211,7 +211,7 @@ class EngineInfo:
 def _steps_left(request, token_budget: int) -> int:
     """Steps ``request`` needs at most to finish (:func:`replica.engine.admission.steps_left`)."""
     return steps_left(
-        request.num_tokens - 1 - request.num_computed_tokens,
+        request.num_tokens - request.num_computed_tokens,
         request.sampling_params.max_tokens, request.num_output_tokens, token_budget,
     )
 

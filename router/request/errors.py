@@ -75,6 +75,8 @@ def error_response(err: OpenAIError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"}
     elif err.status_code in (429, 503):
         headers = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S)}
+        if not err.should_retry:
+            headers["x-should-retry"] = "false"
     if _guard.metrics is not None:
         _guard.metrics.on_rejected(err.status_code, err.code)
     return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
@@ -208,7 +210,8 @@ MAX_RETRY_AFTER_S = 60
 def latency_target_error(exc: LatencyTargetError) -> OpenAIError:
     """The 429 ``slo_unattainable`` of a request shed for its TTFT target: ``Retry-After`` is how
     much later than its target the replica predicted its first token (whole seconds, 1 to
-    :data:`MAX_RETRY_AFTER_S`)."""
+    :data:`MAX_RETRY_AFTER_S`), and ``x-should-retry: false`` keeps the ``openai`` clients from
+    retrying on their own a request that asked to be refused at once."""
     late_s = exc.predicted_s - exc.target_s
     retry = MAX_RETRY_AFTER_S if not math.isfinite(late_s) else min(MAX_RETRY_AFTER_S, max(1, math.ceil(late_s)))
     predicted = f"{exc.predicted_s:.2f} s" if math.isfinite(exc.predicted_s) else "beyond the replica's queue"
@@ -216,6 +219,7 @@ def latency_target_error(exc: LatencyTargetError) -> OpenAIError:
         f"the request asked to be shed rather than served late (x-slo-shed), and its predicted time to "
         f"first token ({predicted}) exceeds its target ({exc.target_s * 1000:.0f} ms, x-slo-ttft-ms); retry later",
         429, type="overloaded_error", param="x-slo-ttft-ms", code="slo_unattainable", retry_after_s=retry,
+        should_retry=False,
     )
 
 

@@ -59,6 +59,8 @@ class OpenAIError(Exception):
             (:data:`DEFAULT_CODES`), so that no error body has a null ``code``.
         retry_after_s: the ``Retry-After`` of a 429 or 503 (seconds); None: the default
             (``router.request.errors.RETRY_AFTER_S``).
+        should_retry: False sends ``x-should-retry: false``, which tells the ``openai`` clients
+            not to retry (a request that asked to be refused rather than served late).
     """
 
     def __init__(
@@ -69,9 +71,11 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
+        should_retry: bool = True,
     ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.should_retry = should_retry
         self.message = message
         self.status_code = status_code
         self.type = type

@@ -241,12 +241,14 @@ def test_latency_targets_are_met_shed_at_once_or_counted_missed(served):
         assert time.monotonic() < deadline, served.stats()
         time.sleep(0.02)
     shed_at = {"x-slo-ttft-ms": "50", "x-slo-shed": "true"}
-    for _ in range(3):
+    retrying = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=2)  # the client's default
+    for c in (client, client, retrying):  # x-should-retry: false: the default client does not send it again
         with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=served.model, prompt="Hi", max_tokens=4, extra_headers=shed_at)
+            c.completions.create(model=served.model, prompt="Hi", max_tokens=4, extra_headers=shed_at)
         error = info.value.body
         assert error["code"] == "slo_unattainable" and error["param"] == "x-slo-ttft-ms", error
         assert int(info.value.response.headers["retry-after"]) >= 1
+        assert info.value.response.headers["x-should-retry"] == "false"
     stats = served.stats()
     assert all(s["num_running"] == SEATS and s["num_waiting"] == 0 for s in stats), stats  # still running, none queued
     late = client.chat.completions.create(

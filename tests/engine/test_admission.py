@@ -36,13 +36,15 @@ def test_the_snapshot_predicts_from_the_queue_and_targets_are_counted(tiny_llama
         engine.add_prepared_request(request)
         requests.append(request)
     stats = engine.stats()
-    assert stats.seat_steps == () and stats.waiting_steps == ((0, 1 + 8), (0, 1 + 6), (0, 1 + 4))
+    # one prefill step each (the budget holds the prompt), which samples the first of their tokens
+    assert stats.seat_steps == () and stats.waiting_steps == ((0, 1 + 7), (0, 1 + 5), (0, 1 + 3))
     engine.step()  # both seats prefill and sample their first token
     stats = engine.stats()
     assert stats.step_time_s is not None and stats.step_time_s > 0 and stats.token_budget == 64
-    assert stats.seat_steps == (6 - 1, 8 - 1) and stats.waiting_steps == ((0, 1 + 4),)
-    # the waiting request takes the seat that frees after 5 steps; a new one the other, after 7
-    assert predict_ttft_s(stats, 10) == (7 + 1) * stats.step_time_s
+    assert stats.seat_steps == (6 - 1, 8 - 1) and stats.waiting_steps == ((0, 1 + 3),)
+    # after the step in flight, the waiting request takes the seat that frees after 5 steps; a new
+    # one the other, after 7, and prefills in 1
+    assert predict_ttft_s(stats, 10) == (1 + 7 + 1) * stats.step_time_s
     while engine.has_unfinished_requests():
         engine.step()
     assert [slo_count(metrics, o) for o in ("met", "missed", "shed")] == [1, 1, 0]

@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from replica.engine.admission import MAX_LISTED_WAITING, STEP_COST_WEIGHT, predict_ttft_s, steps_left, update_step_cost
+from replica.engine.admission import (
+    MAX_LISTED_WAITING, STEP_COST_WEIGHT, TARGET_HEADROOM, predict_ttft_s, steps_left, update_step_cost, would_miss,
+)
 from replica.engine.stats import EngineStats
 from replica.protocol.slo import LatencyTargets
 from router.request.protocol import OpenAIError
@@ -24,34 +26,43 @@ def snapshot(*, seats: int = 2, seat_steps=(), waiting=(), step_s: float | None 
     )
 
 
-def test_nothing_to_predict_from_before_the_first_timed_step():
-    assert predict_ttft_s(snapshot(step_s=None), 10) is None
+def test_nothing_to_predict_from_before_the_first_timed_step_or_on_an_idle_engine():
+    assert predict_ttft_s(snapshot(step_s=None, seat_steps=(5,)), 10) is None
+    assert predict_ttft_s(snapshot(step_s=100.0), 10) is None  # idle: served at once, whatever the stale cost
+    assert predict_ttft_s(snapshot(step_s=100.0), 10, unseen=((0, 3),)) == pytest.approx((1 + 1) * 100.0)
 
 
-def test_a_free_seat_costs_only_the_prefill_steps():
-    # 1 running request takes 1 token of the 64-token budget: 63 per step; 100 tokens -> 2 steps
-    assert predict_ttft_s(snapshot(seat_steps=(50,)), 100) == pytest.approx(2 * 0.1)
-    assert predict_ttft_s(snapshot(), 64) == pytest.approx(1 * 0.1)
+def test_a_free_seat_costs_the_step_in_flight_and_the_prefill_steps():
+    # 1 running request takes 1 token of the 64-token budget: 63 per step; 100 tokens -> 2 steps,
+    # after the step in flight
+    assert predict_ttft_s(snapshot(seat_steps=(50,)), 100) == pytest.approx((1 + 2) * 0.1)
+    assert predict_ttft_s(snapshot(seat_steps=(50,)), 63) == pytest.approx((1 + 1) * 0.1)
 
 
 def test_full_seats_wait_for_the_first_seat_to_free():
-    assert predict_ttft_s(snapshot(seat_steps=(30, 5)), 10) == pytest.approx((5 + 1) * 0.1)
+    assert predict_ttft_s(snapshot(seat_steps=(30, 5)), 10) == pytest.approx((1 + 5 + 1) * 0.1)
 
 
 def test_the_queue_is_list_scheduled_on_the_seats_in_order():
     # seats free at 5 and 30; waiting: 20 steps (takes the seat at 5, frees it at 25), then 100
     # steps (takes the one at 25, frees at 125): the new request gets the seat that frees at 30
     stats = snapshot(seat_steps=(30, 5), waiting=((0, 20), (0, 100)))
-    assert predict_ttft_s(stats, 10) == pytest.approx((30 + 1) * 0.1)
+    assert predict_ttft_s(stats, 10) == pytest.approx((1 + 30 + 1) * 0.1)
     # one more waiting request of 1 step takes the seat at 30: then the next is 31
     stats = snapshot(seat_steps=(30, 5), waiting=((0, 20), (0, 100), (0, 1)))
-    assert predict_ttft_s(stats, 10) == pytest.approx((31 + 1) * 0.1)
+    assert predict_ttft_s(stats, 10) == pytest.approx((1 + 31 + 1) * 0.1)
+
+
+def test_requests_admitted_but_not_yet_in_the_snapshot_queue_after_the_listed_ones():
+    stats = snapshot(seat_steps=(30, 5), waiting=((0, 20),))
+    assert predict_ttft_s(stats, 10) == pytest.approx((1 + 25 + 1) * 0.1)
+    assert predict_ttft_s(stats, 10, unseen=((0, 100),)) == pytest.approx((1 + 30 + 1) * 0.1)
 
 
 def test_only_the_waiting_requests_that_run_first_count():
     stats = snapshot(seat_steps=(30, 5), waiting=((2, 20), (2, 100)))
-    assert predict_ttft_s(stats, 10, priority=0) == pytest.approx((5 + 1) * 0.1)  # it overtakes both
-    assert predict_ttft_s(stats, 10, priority=2) == pytest.approx((30 + 1) * 0.1)  # it waits behind both
+    assert predict_ttft_s(stats, 10, priority=0) == pytest.approx((1 + 5 + 1) * 0.1)  # it overtakes both
+    assert predict_ttft_s(stats, 10, priority=2) == pytest.approx((1 + 30 + 1) * 0.1)  # it waits behind both
 
 
 def test_more_waiting_than_listed_is_infinitely_late():
@@ -60,10 +71,18 @@ def test_more_waiting_than_listed_is_infinitely_late():
     assert predict_ttft_s(stats, 10) == math.inf
 
 
+def test_a_request_is_shed_past_the_headroom_of_its_target():
+    assert not would_miss(None, 0.001)
+    assert not would_miss(TARGET_HEADROOM * 2.0, 2.0) and would_miss(TARGET_HEADROOM * 2.0 + 1e-6, 2.0)
+
+
 def test_steps_left_and_step_cost():
-    assert steps_left(100, 20, 0, 64) == 2 + 20  # a new request: its prompt, then its tokens
-    assert steps_left(0, 20, 7, 64) == 13  # decoding
-    assert steps_left(-1, 20, 20, 64) == 0
+    assert steps_left(100, 20, 0, 64) == 2 + 19  # a new request: 2 prefill steps (the 2nd samples), 19 more tokens
+    assert steps_left(64, 20, 0, 64) == 1 + 19
+    assert steps_left(1, 20, 7, 64) == 13  # decoding: the last token's step samples the 8th of 20
+    assert steps_left(0, 20, 20, 64) == 0
+    assert steps_left(30, 0, 0, 64) == 1  # scores its prompt only
+    assert steps_left(140, 20, 5, 64) == 3 + 14  # preempted: prompt and output again
     assert update_step_cost(None, 0.5) == 0.5
     assert update_step_cost(0.5, 1.5) == pytest.approx(0.5 + STEP_COST_WEIGHT * 1.0)
 

@@ -149,7 +149,7 @@ async def _one_request(
             extra_headers=headers or None,
         )
     except openai.RateLimitError as exc:
-        if (exc.body or {}).get("code") != "slo_unattainable":
+        if exc.code != "slo_unattainable":
             raise
         result.shed_s = time.perf_counter() - start
         return ""

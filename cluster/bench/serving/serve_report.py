@@ -104,7 +104,7 @@ def slo_outcomes(results: list, targets: dict) -> dict:
         if ttft is not None and (r.ttft_s is None or r.ttft_s * 1000 > ttft):
             return False
         gaps = r.output_tokens - 1
-        return tpot is None or gaps < 1 or (r.e2e_s - r.ttft_s) / gaps * 1000 <= tpot
+        return tpot is None or gaps < 1 or r.ttft_s is None or (r.e2e_s - r.ttft_s) / gaps * 1000 <= tpot
 
     done = [r for r in results if r.ok]
     shed = [r.shed_s for r in results if r.shed_s is not None]
