@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from replica.protocol.errors import LatencyTargetError
 
 if TYPE_CHECKING:
     from replica.engine.stats import EngineStats
+    from replica.protocol.envelope import RequestEnvelope
 
 STEP_COST_WEIGHT = 0.1
 """Weight of the newest step in the exponentially weighted mean of the step cost
@@ -100,3 +104,44 @@ def would_miss(predicted_s: float | None, target_s: float) -> bool:
     prediction) is shed for a TTFT target of ``target_s``: the prediction exceeds
     :data:`TARGET_HEADROOM` of the target."""
     return predicted_s is not None and predicted_s > TARGET_HEADROOM * target_s
+
+
+class Admission:
+    """A replica's admission by latency target: it sheds the requests that ask to be and would be
+    late (:meth:`admit`), and keeps the requests it admitted until they end (:meth:`release`), so
+    that the ones its engine's snapshot does not hold yet still count in the queue.
+
+    Args:
+        stats: returns the engine's latest snapshot (``AsyncLLMEngine.stats``; any thread).
+        on_shed: called once per shed request (the ``shed`` metric).
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats], on_shed: Callable[[], None] = lambda: None) -> None:
+        self._stats = stats
+        self._on_shed = on_shed
+        self._admitted: dict[str, tuple[int, int]] = {}  # request id -> (priority, steps at most), oldest first
+
+    def admit(self, request: RequestEnvelope) -> None:
+        """Admit ``request`` (a checked envelope), or refuse it: it asked to be shed
+        (``LatencyTargets.shed``) and :func:`predict_ttft_s`, from the snapshot and the admitted
+        requests the snapshot does not hold yet (the newest ones, beyond its running and waiting
+        counts), says it would miss its TTFT target (:func:`would_miss`).
+
+        Raises:
+            LatencyTargetError: refused; nothing was recorded.
+        """
+        stats = self._stats()
+        slo = request.slo
+        if slo is not None and slo.shed and slo.ttft_s is not None:
+            unseen = max(0, len(self._admitted) - stats.num_running - stats.num_waiting)
+            queued = tuple(self._admitted.values())[len(self._admitted) - unseen :] if unseen else ()
+            predicted = predict_ttft_s(stats, len(request.prompt_token_ids), request.priority, queued)
+            if would_miss(predicted, slo.ttft_s):
+                self._on_shed()
+                raise LatencyTargetError(predicted, slo.ttft_s)
+        steps = steps_left(len(request.prompt_token_ids), request.sampling_params.max_tokens, 0, stats.token_budget)
+        self._admitted[request.request_id] = (request.priority, steps)
+
+    def release(self, request_id: str) -> None:
+        """The request has ended (or was refused); idempotent."""
+        self._admitted.pop(request_id, None)

@@ -34,8 +34,9 @@ from contextlib import aclosing
 from typing import Any
 
 from replica.config.engine_config import EngineConfig
+from replica.engine.admission import Admission
 from replica.protocol.envelope import RequestEnvelope
-from replica.protocol.errors import LatencyTargetError, ReplicaOverloadedError
+from replica.protocol.errors import ReplicaOverloadedError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
 from replica.serve.delta_channel import DeltaChannels
@@ -86,8 +87,7 @@ class LLMReplica:
         self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start
-        # Admitted requests, oldest first: request id -> (priority, steps at most); see _shed_if_late.
-        self._admitted: dict[str, tuple[int, int]] = {}
+        self.admission = Admission(self.engine.stats, on_shed=lambda: self.metrics.on_slo("shed"))
         self.max_admitted = None if max_waiting_requests is None else config.max_num_seqs + max_waiting_requests
         logger.info(
             "replica %s ready: model=%s dtype=%s device=%s seats=%d blocks=%d max_model_len=%d",
@@ -148,7 +148,7 @@ class LLMReplica:
         try:
             prepared = await self.engine.make_request(request)
             request_id = prepared.request_id
-            self._shed_if_late(request)
+            self.admission.admit(request)
             if channel is not None and announce:
                 address = await self.channels.address()
                 sink = self.channels.acquire(channel, request_id)
@@ -172,30 +172,7 @@ class LLMReplica:
         finally:
             # Cancellation (client gone) lands here too, after the abort is queued.
             self._inflight -= 1
-            self._admitted.pop(request.request_id, None)
-
-    def _shed_if_late(self, request: RequestEnvelope) -> None:
-        """Refuse a request that asked to be shed rather than served late
-        (``LatencyTargets.shed``) when this engine predicts its first token after its TTFT target
-        (:func:`~replica.engine.admission.predict_ttft_s`, from the engine's latest snapshot and
-        the requests admitted here since, which the snapshot may not hold yet); else record it as
-        admitted. Raises :class:`~replica.protocol.errors.LatencyTargetError`."""
-        from replica.engine.admission import predict_ttft_s, steps_left, would_miss
-
-        stats = self.engine.stats()
-        slo = request.slo
-        if slo is not None and slo.shed and slo.ttft_s is not None:
-            # The requests admitted here that the snapshot does not hold yet (the newest ones).
-            unseen = max(0, len(self._admitted) - stats.num_running - stats.num_waiting)
-            queued = tuple(self._admitted.values())[len(self._admitted) - unseen :] if unseen else ()
-            predicted = predict_ttft_s(stats, len(request.prompt_token_ids), request.priority, queued)
-            if would_miss(predicted, slo.ttft_s):
-                self.metrics.on_slo("shed")
-                raise LatencyTargetError(predicted, slo.ttft_s)
-        params = request.sampling_params
-        self._admitted[request.request_id] = (
-            request.priority, steps_left(len(request.prompt_token_ids), params.max_tokens, 0, stats.token_budget)
-        )
+            self.admission.release(request.request_id)
 
     def _abort_requests(self, request_ids: list[str]) -> None:
         """Abort these requests in the engine (their ingress is gone: its delta connection ended)."""

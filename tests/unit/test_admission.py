@@ -10,9 +10,12 @@ import math
 import pytest
 
 from replica.engine.admission import (
-    MAX_LISTED_WAITING, STEP_COST_WEIGHT, TARGET_HEADROOM, predict_ttft_s, steps_left, update_step_cost, would_miss,
+    Admission, MAX_LISTED_WAITING, STEP_COST_WEIGHT, TARGET_HEADROOM, predict_ttft_s, steps_left, update_step_cost, would_miss,
 )
 from replica.engine.stats import EngineStats
+from replica.protocol.envelope import RequestEnvelope, RoutingHints
+from replica.protocol.errors import LatencyTargetError
+from replica.protocol.sampling_params import SamplingParams
 from replica.protocol.slo import LatencyTargets
 from router.request.protocol import OpenAIError
 from router.request.slo_headers import latency_targets
@@ -120,3 +123,26 @@ def test_a_bad_header_is_a_400_naming_it(headers, param):
     with pytest.raises(OpenAIError) as info:
         latency_targets(headers)
     assert info.value.status_code == 400 and info.value.param == param and param in info.value.message
+
+
+def envelope(request_id: str, prompt_len: int, max_tokens: int, slo: LatencyTargets | None = None) -> RequestEnvelope:
+    prompt = list(range(3, 3 + prompt_len))
+    return RequestEnvelope(request_id, prompt, SamplingParams(max_tokens=max_tokens), RoutingHints.of(prompt, 16), slo=slo)
+
+
+def test_admission_counts_the_requests_it_admitted_that_the_snapshot_does_not_hold_yet():
+    stats = snapshot(seat_steps=(30, 5))  # both seats held; one frees after 5 steps
+    shed = []
+    admission = Admission(lambda: stats, on_shed=lambda: shed.append(1))
+    late = LatencyTargets(ttft_s=1.0, shed=True)
+    for held in ("r1", "r2"):  # the two running requests, admitted earlier: the snapshot holds them
+        admission.admit(envelope(held, 10, 30))
+    admission.admit(envelope("a", 10, 100))  # no targets: admitted; it will take the seat that frees at 5
+    with pytest.raises(LatencyTargetError) as info:
+        admission.admit(envelope("b", 10, 4, late))  # behind "a": the seat at 30, (1 + 30 + 1) x 0.1 s
+    assert info.value.predicted_s == pytest.approx(3.2) and info.value.target_s == 1.0 and shed == [1]
+    admission.release("a")  # "a" ended (or the snapshot now holds it: then it is not unseen)
+    admission.admit(envelope("b", 10, 4, late))  # (1 + 5 + 1) x 0.1 s = 0.7 s, within 0.85 s
+    admission.release("b")
+    admission.release("b")  # idempotent
+    assert shed == [1]
