@@ -36,10 +36,10 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from replica.engine.stats import MAX_LISTED_WAITING, EngineStats, steps_left
 from replica.protocol.errors import LatencyTargetError
 
 if TYPE_CHECKING:
-    from replica.engine.stats import EngineStats
     from replica.protocol.envelope import RequestEnvelope
 
 STEP_COST_WEIGHT = 0.1
@@ -51,21 +51,6 @@ TARGET_HEADROOM = 0.85
 for what the prediction does not see (steps that slow down as the batch fills and as queued
 prompts prefill, the ingress's own time before the replica). Its error on this CPU is measured
 in docs/bench/latency-targets-cpu.md."""
-
-MAX_LISTED_WAITING = 256
-"""The waiting requests whose lengths the stats list (``EngineStats.waiting_steps``); with more
-waiting than that, any prediction is infinite (a request behind 256 others is late)."""
-
-
-def steps_left(num_uncomputed: int, max_tokens: int, num_output_tokens: int, token_budget: int) -> int:
-    """Steps a request needs at most to finish: its known tokens still without K/V
-    (``num_tokens - num_computed_tokens``: the prompt, or prompt and output again after a
-    preemption, or the one last token while decoding) in steps of ``token_budget`` tokens, the
-    last of which samples its next token, then one step per further token it may generate."""
-    if num_output_tokens >= max_tokens:
-        return 0 if max_tokens > 0 else -(-max(0, num_uncomputed) // max(1, token_budget))
-    return -(-max(1, num_uncomputed) // max(1, token_budget)) + max_tokens - num_output_tokens - 1
-
 
 def update_step_cost(mean_s: float | None, step_s: float) -> float:
     """The step cost's exponentially weighted mean after a step of ``step_s`` seconds

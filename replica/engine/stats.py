@@ -10,7 +10,6 @@ from itertools import islice
 from typing import TYPE_CHECKING
 
 from replica.core.waiting_queue import priority_counts
-from replica.engine.admission import MAX_LISTED_WAITING, steps_left
 from replica.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["EngineInfo", "EngineStats", "SpecDecodeStats", "StepRecord", "StepRow"]
@@ -19,6 +18,21 @@ if TYPE_CHECKING:
     from replica.core.block_manager import BlockManager
     from replica.core.scheduler import Scheduler
     from replica.core.scheduler_output import SchedulerOutput
+
+
+MAX_LISTED_WAITING = 256
+"""The waiting requests whose lengths the stats list (``EngineStats.waiting_steps``); with more
+waiting than that, any prediction is infinite (a request behind 256 others is late)."""
+
+
+def steps_left(num_uncomputed: int, max_tokens: int, num_output_tokens: int, token_budget: int) -> int:
+    """Steps a request needs at most to finish: its known tokens still without K/V
+    (``num_tokens - num_computed_tokens``: the prompt, or prompt and output again after a
+    preemption, or the one last token while decoding) in steps of ``token_budget`` tokens, the
+    last of which samples its next token, then one step per further token it may generate."""
+    if num_output_tokens >= max_tokens:
+        return 0 if max_tokens > 0 else -(-max(0, num_uncomputed) // max(1, token_budget))
+    return -(-max(1, num_uncomputed) // max(1, token_budget)) + max_tokens - num_output_tokens - 1
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,7 @@ class EngineInfo:
 
 
 def _steps_left(request, token_budget: int) -> int:
-    """Steps ``request`` needs at most to finish (:func:`replica.engine.admission.steps_left`)."""
+    """Steps ``request`` needs at most to finish (:func:`steps_left`)."""
     return steps_left(
         request.num_tokens - request.num_computed_tokens,
         request.sampling_params.max_tokens, request.num_output_tokens, token_budget,

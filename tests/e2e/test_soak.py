@@ -32,7 +32,7 @@ import pytest
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
 from tests.e2e.conftest import cluster_processes
-from tests.e2e.test_disconnects import assert_gauges_zero, metrics
+from tests.e2e.test_disconnects import assert_gauges_zero
 
 NUM_REQUESTS = int(os.environ.get("CARPOOL_SOAK_REQUESTS", "5000"))
 # RSS is sampled before the first request, after the warm-up and after every CHUNK requests. The
@@ -162,7 +162,7 @@ def test_soak(served, shared_prefix):
     assert counts.get("failed", 0) == 0, counts
     served.wait_idle(timeout_s=10)
     rss_before = served_rss(served)
-    before = metrics(served)
+    before = served.metrics()
 
     started = time.monotonic()
     counts: dict = {"failures": []}
@@ -175,7 +175,7 @@ def test_soak(served, shared_prefix):
     wall = time.monotonic() - started
     stats = served.wait_idle(timeout_s=10)
     rss_after = served_rss(served)
-    after = metrics(served)
+    after = served.metrics()
     delta = {name: after[name] - before.get(name, 0.0) for name in (
         "carpool:requests_aborted_total", "carpool:num_preemptions_total", "carpool:generation_tokens_total",
         "carpool:prefix_cache_queries_total", "carpool:prefix_cache_hits_total")}

@@ -13,7 +13,6 @@ import pytest
 from cluster.bench.workloads.input_grounded import input_grounded_prompts
 from cluster.config import ServeConfig
 from replica.config.engine_config import EngineConfig
-from tests.e2e.test_disconnects import metrics
 
 ENGINE = EngineConfig(
     max_num_seqs=8, max_model_len=1024, num_blocks=160, compile=False,
@@ -29,7 +28,7 @@ def served(deploy):
 
 
 def test_streamed_equals_non_streamed_and_usage_counts_emitted_tokens(served):
-    before = metrics(served)
+    before = served.metrics()
     prompts = [p.prompt for p in input_grounded_prompts(3, seed=2)]
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}]
@@ -48,7 +47,7 @@ def test_streamed_equals_non_streamed_and_usage_counts_emitted_tokens(served):
         assert usage.prompt_tokens == whole.usage.prompt_tokens
         if whole.choices[0].finish_reason == "length":
             assert whole.usage.completion_tokens == 64  # not 64 + accepted drafts past it
-    after = metrics(served)
+    after = served.metrics()
     drafted = after["carpool:spec_decode_num_draft_tokens_total"] - before.get("carpool:spec_decode_num_draft_tokens_total", 0)
     accepted = after["carpool:spec_decode_num_accepted_tokens_total"] - before.get("carpool:spec_decode_num_accepted_tokens_total", 0)
     assert drafted > 0 and 0 < accepted <= drafted
