@@ -145,6 +145,8 @@ class ServeBenchOptions(_Options):
     )
     timeout: Timeout = None
     max_concurrency: Optional[int] = Field(None, ge=1, description="Most requests in flight at once (default: unbounded).")
+    priority: int = Field(0, description="Priority of every request (vLLM's: lower runs first; not 0 needs a server "
+                          "with --scheduling-policy priority).")
     slo_ttft_ms: Optional[float] = Field(
         None, gt=0, description="TTFT target of every request (header x-slo-ttft-ms): reports how many met it."
     )

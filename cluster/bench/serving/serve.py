@@ -127,10 +127,11 @@ def slo_headers(slo_ttft_ms: float | None, slo_tpot_ms: float | None, shed: bool
 
 async def _one_request(
     client, model: str, index: int, prompt: str | list[dict], max_tokens: int, result: RequestResult,
-    headers: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None, priority: int = 0,
 ) -> str:
     """Stream one chat completion, filling ``result`` in place (so a cancelled request keeps its
-    index); ``prompt`` is one user message's text or the whole chat; ``headers`` go with it.
+    index); ``prompt`` is one user message's text or the whole chat; ``headers`` go with it, and
+    ``priority`` in its body when not 0.
     Returns the reply's text. A 429 ``slo_unattainable`` (the request asked to be shed) sets
     ``result.shed_s`` instead of raising."""
     import openai
@@ -145,7 +146,7 @@ async def _one_request(
             max_tokens=max_tokens,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, **({"priority": priority} if priority else {})},
             extra_headers=headers or None,
         )
     except openai.RateLimitError as exc:
@@ -190,6 +191,7 @@ async def run_serve_bench_async(
     tokenizer: str | None = None,
     metrics_url: str | None = None,
     think_time: float = 0.0,
+    priority: int = 0,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     shed: bool = False,
@@ -204,7 +206,7 @@ async def run_serve_bench_async(
     the opening passages (``first_turn_len`` tokens). Every workload scrapes ``metrics_url``
     (default ``/metrics`` next to ``/v1``) before and after for the prefix cache's hit rate and
     speculative decoding's acceptance. ``seed`` also draws input-grounded's prompts.
-    ``slo_ttft_ms``, ``slo_tpot_ms``, ``shed``: every request's latency targets
+    ``priority``: every request's (vLLM's field). ``slo_ttft_ms``, ``slo_tpot_ms``, ``shed``: every request's latency targets
     (:func:`slo_headers`); the results then count the requests that met them (as measured here),
     missed them, or were shed.
     """
@@ -270,10 +272,10 @@ async def run_serve_bench_async(
             reply = ""
             try:
                 if semaphore is None:
-                    reply = await _one_request(client, model, result.index, prompt, n, result, headers)
+                    reply = await _one_request(client, model, result.index, prompt, n, result, headers, priority)
                 else:
                     async with semaphore:
-                        reply = await _one_request(client, model, result.index, prompt, n, result, headers)
+                        reply = await _one_request(client, model, result.index, prompt, n, result, headers, priority)
             except asyncio.CancelledError:
                 result.error = f"cancelled: not done within --timeout {timeout} s"
                 raise
@@ -324,7 +326,7 @@ async def run_serve_bench_async(
     extra = {"conversations": conversations, "turns": turns, "first_turn_len": first_turn_len, "think_time_s": think_time} if multi_turn else {}
     return summarize(results, duration, url=url, model=model, request_rate=request_rate, workload=workload,
                      seed=seed, max_concurrency=max_concurrency, timeout=timeout, prefix_cache=prefix_cache,
-                     spec_decode=spec_decode, slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "shed": shed} if headers else None,
+                     spec_decode=spec_decode, priority=priority, slo={"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms, "shed": shed} if headers else None,
                      **extra)
 
 

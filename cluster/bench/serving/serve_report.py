@@ -33,7 +33,7 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
     """The results dict: settings, counts, throughput, latency summaries (ms), errors, per request.
 
     Fields: ``url, model, num_prompts, request_rate`` (requests/s; ``"inf"`` for all at once),
-    ``workload, seed, max_concurrency, timeout_s, duration_s, completed, errors, error_messages``
+    ``workload, seed, priority, max_concurrency, timeout_s, duration_s, completed, errors, error_messages``
     (the first few), ``requested_output_tokens`` (sum of max_tokens), ``output_tokens`` (sum of
     usage over completed requests), ``requests_per_s, output_tokens_per_s, ttft_ms, itl_ms, e2e_ms``
     (each ``{mean, p50, p90, p99}``), ``prefix_cache`` and ``requests`` (per request: index,
@@ -61,6 +61,7 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
         "request_rate": "inf" if math.isinf(rate) else rate,
         "workload": settings["workload"],
         "seed": settings["seed"],
+        "priority": settings.get("priority", 0),
         "max_concurrency": settings["max_concurrency"],
         "timeout_s": timeout,
         "duration_s": duration_s,
@@ -127,7 +128,8 @@ def format_table(summary: dict) -> str:
         + (f" ({summary['conversations']} conversations x {summary['turns']} turns, think time {summary['think_time_s']} s)"
            if "turns" in summary else "")
         + f"  rate: {summary['request_rate']} req/s  "
-        f"max concurrency: {summary['max_concurrency'] or '-'}  workload: {summary['workload']}",
+        f"max concurrency: {summary['max_concurrency'] or '-'}  workload: {summary['workload']}"
+        + (f"  priority: {summary['priority']}" if summary.get("priority") else ""),
         f"completed: {summary['completed']}  errors: {summary['errors']}  duration: {summary['duration_s']:.2f} s",
         f"output tokens: {summary['output_tokens']} (requested {summary['requested_output_tokens']})",
         f"throughput: {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s",
