@@ -52,6 +52,7 @@ for what the prediction does not see (steps that slow down as the batch fills an
 prompts prefill, the ingress's own time before the replica). Its error on this CPU is measured
 in docs/bench/latency-targets-cpu.md."""
 
+
 def update_step_cost(mean_s: float | None, step_s: float) -> float:
     """The step cost's exponentially weighted mean after a step of ``step_s`` seconds
     (:data:`STEP_COST_WEIGHT`); the first step sets it."""
