@@ -8,6 +8,7 @@ vLLM's, where a negative one runs first, so shedding is asked for by its own hea
 
 # No "from __future__ import annotations", as in the rest of router/request (FastAPI).
 import math
+import re
 from collections.abc import Mapping
 from typing import Optional
 
@@ -42,17 +43,23 @@ def latency_targets(headers: Mapping[str, str]) -> Optional[LatencyTargets]:
     )
 
 
+MILLISECONDS = re.compile(r"[0-9]+(\.[0-9]*)?")
+"""A target's value: decimal digits with an optional fraction (no sign, exponent or ``_``)."""
+
+
 def _milliseconds(headers: Mapping[str, str], name: str) -> Optional[float]:
     raw = headers.get(name)
     if raw is None:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
+    value = float(raw.strip()) if MILLISECONDS.fullmatch(raw.strip()) else math.nan
     if not (math.isfinite(value) and value > 0):
-        raise OpenAIError(f"{name}: must be a positive number of milliseconds, got {raw!r}", param=name)
+        raise OpenAIError(f"{name}: must be a positive number of milliseconds, got {_shown(raw)}", param=name)
     return value
+
+
+def _shown(raw: str) -> str:
+    """``raw`` quoted for an error message, cut to 40 characters."""
+    return repr(raw if len(raw) <= 40 else raw[:40] + "...")
 
 
 def _flag(headers: Mapping[str, str], name: str) -> bool:
@@ -61,5 +68,5 @@ def _flag(headers: Mapping[str, str], name: str) -> bool:
         return False
     value = raw.strip().lower()
     if value not in TRUE + FALSE:
-        raise OpenAIError(f"{name}: must be true or false, got {raw!r}", param=name)
+        raise OpenAIError(f"{name}: must be true or false, got {_shown(raw)}", param=name)
     return value in TRUE

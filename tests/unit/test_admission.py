@@ -104,6 +104,7 @@ def test_headers_set_the_targets_in_seconds():
         ttft_s=0.25, tpot_s=0.0505, shed=True
     )
     assert latency_targets({"x-slo-tpot-ms": "40", "x-slo-shed": "0"}) == LatencyTargets(tpot_s=0.04)
+    assert latency_targets({"x-slo-ttft-ms": " 1500. "}) == LatencyTargets(ttft_s=1.5)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,11 @@ def test_headers_set_the_targets_in_seconds():
         ({"x-slo-ttft-ms": "-5"}, "x-slo-ttft-ms"),
         ({"x-slo-ttft-ms": "inf"}, "x-slo-ttft-ms"),
         ({"x-slo-tpot-ms": "nan"}, "x-slo-tpot-ms"),
+        ({"x-slo-ttft-ms": "1_000"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "+50"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "1e3"}, "x-slo-ttft-ms"),
+        ({"x-slo-ttft-ms": "9" * 5000}, "x-slo-ttft-ms"),  # not finite as a float; echoed cut short
+        ({"x-slo-ttft-ms": ""}, "x-slo-ttft-ms"),
         ({"x-slo-ttft-ms": "100", "x-slo-shed": "maybe"}, "x-slo-shed"),
         ({"x-slo-shed": "true"}, "x-slo-shed"),
         ({"x-slo-tpot-ms": "10", "x-slo-shed": "true"}, "x-slo-shed"),
@@ -123,6 +129,7 @@ def test_a_bad_header_is_a_400_naming_it(headers, param):
     with pytest.raises(OpenAIError) as info:
         latency_targets(headers)
     assert info.value.status_code == 400 and info.value.param == param and param in info.value.message
+    assert len(info.value.message) < 200
 
 
 def envelope(request_id: str, prompt_len: int, max_tokens: int, slo: LatencyTargets | None = None) -> RequestEnvelope:
