@@ -260,11 +260,13 @@ def replica_error(exc: BaseException) -> OpenAIError:
             type="overloaded_error",
             code="overloaded",
         )
+    bad_adapter = _cause_of(exc, LoRAAdapterError)
+    if bad_adapter is not None:
+        return lora_error(bad_adapter)
+    broken_rule = _cause_of(exc, RequestError)
+    if broken_rule is not None:
+        return request_error(broken_rule)
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the replica's own exception
-    if isinstance(cause, LoRAAdapterError) or isinstance(exc, LoRAAdapterError):
-        return lora_error(cause if isinstance(cause, LoRAAdapterError) else exc)
-    if isinstance(cause, RequestError) or isinstance(exc, RequestError):
-        return request_error(cause if isinstance(cause, RequestError) else exc)
     if isinstance(exc, ValueError):
         return sampling_error(cause if isinstance(cause, ValueError) else exc)
     original = cause if isinstance(cause, BaseException) else exc
