@@ -78,7 +78,7 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
         **multi_turn,
         "prefix_cache": settings.get("prefix_cache"),
         "spec_decode": settings.get("spec_decode"),
-        "slo": slo_outcomes(results, settings["slo"]) if settings.get("slo") else None,
+        "slo": slo_outcomes(results, settings["slo"], len(failed)) if settings.get("slo") else None,
         "requests": [
             {
                 "index": r.index, "max_tokens": r.max_tokens, "ok": r.ok, "output_tokens": r.output_tokens,
@@ -93,11 +93,11 @@ def summarize(results: list, duration_s: float, **settings) -> dict:  # results:
     }
 
 
-def slo_outcomes(results: list, targets: dict) -> dict:
+def slo_outcomes(results: list, targets: dict, failed: int) -> dict:
     """The requests' outcomes against their latency ``targets`` (``{"ttft_ms", "tpot_ms", "shed"}``,
     None: no target), as measured by the client: ``met`` (completed, TTFT and mean time per
     output token after the first within their targets), ``missed`` (completed late), ``shed``
-    (answered 429 ``slo_unattainable``), ``failed`` (anything else), and the shed answers' latency
+    (answered 429 ``slo_unattainable``), ``failed`` (anything else: :func:`summarize` counts them), and the shed answers' latency
     from sending (``shed_ms``: ``{mean, p50, p90, p99}`` and ``max``)."""
     ttft, tpot = targets.get("ttft_ms"), targets.get("tpot_ms")
 
@@ -112,7 +112,7 @@ def slo_outcomes(results: list, targets: dict) -> dict:
     met = sum(on_time(r) for r in done)
     return {
         **targets, "met": met, "missed": len(done) - met, "shed": len(shed),
-        "failed": sum(1 for r in results if not r.ok and r.shed_s is None),
+        "failed": failed,
         "shed_ms": {**summarize_ms(shed), "max": max(shed) * 1000 if shed else None},
     }
 
