@@ -97,8 +97,9 @@ def slo_outcomes(results: list, targets: dict, failed: int) -> dict:
     """The requests' outcomes against their latency ``targets`` (``{"ttft_ms", "tpot_ms", "shed"}``,
     None: no target), as measured by the client: ``met`` (completed, TTFT and mean time per
     output token after the first within their targets), ``missed`` (completed late), ``shed``
-    (answered 429 ``slo_unattainable``), ``failed`` (anything else: :func:`summarize` counts them), and the shed answers' latency
-    from sending (``shed_ms``: ``{mean, p50, p90, p99}`` and ``max``)."""
+    (answered 429 ``slo_unattainable``), ``failed`` (anything else; :func:`summarize` counts
+    them), and the shed answers' latency from sending (``shed_ms``: ``{mean, p50, p90, p99}``
+    and ``max``)."""
     ttft, tpot = targets.get("ttft_ms"), targets.get("tpot_ms")
 
     def on_time(r) -> bool:
