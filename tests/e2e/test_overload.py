@@ -200,7 +200,7 @@ def test_a_flood_far_over_every_queue_is_refused_with_json_429_only(served):
 
 
 # ---- latency targets (x-slo-ttft-ms, x-slo-tpot-ms, x-slo-shed) ----------------------------------
-LONG_TOKENS = 360  # seat holders: long enough to outlast the shed attempts on a loaded machine
+LONG_TOKENS = 360  # seat holders: longer than the test needs them; they hang up when it is done
 
 
 def slo_counts(served) -> dict[str, float]:
@@ -217,8 +217,8 @@ def test_latency_targets_are_met_shed_at_once_or_counted_missed(served):
     """Through the ``openai`` client: on an idle server a request with a 60 s TTFT target is served
     and counted met. With every seat of both replicas held by long requests, a request that
     asks to be shed for a 50 ms target gets a 429 ``slo_unattainable`` with ``Retry-After`` while
-    the seat holders still run (nothing queued for it); the same request without shedding is
-    served late and counted missed. Bad header values are 400s naming the header."""
+    the seat holders still run (nothing queued for it); the same request without shedding waits
+    for a seat, which the holders give up by hanging up, and is served late and counted missed. Bad header values are 400s naming the header."""
     import openai
 
     client = served.client
@@ -229,14 +229,19 @@ def test_latency_targets_are_met_shed_at_once_or_counted_missed(served):
     )
     assert met.choices[0].finish_reason == "length"
 
-    results: list[httpx.Response] = []
+    release = threading.Event()
+    statuses: list[int] = []
     holders: list[threading.Thread] = []
 
     def hold_a_seat() -> None:
-        holders.append(threading.Thread(target=lambda: results.append(httpx.post(
-            served.base_url + "/completions", timeout=180,
-            json={"model": served.model, "prompt": "The sea is", "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True},
-        ))))
+        def hold() -> None:  # streams until released, then hangs up: the replica aborts it
+            body = {"model": served.model, "prompt": "The sea is", "max_tokens": LONG_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", served.base_url + "/completions", json=body, timeout=180) as r:
+                statuses.append(r.status_code)
+                release.wait(180)
+
+        holders.append(threading.Thread(target=hold))
         holders[-1].start()
 
     # One holder at a time, the next once the last runs, so the router sees each one taken:
@@ -247,29 +252,46 @@ def test_latency_targets_are_met_shed_at_once_or_counted_missed(served):
         if all(s["num_running"] == SEATS for s in stats):
             break
         assert time.monotonic() < deadline, stats
-        if sum(s["num_running"] for s in stats) == len(holders) - len(results):  # each one runs
+        if sum(s["num_running"] for s in stats) == len(holders):  # each one runs
             hold_a_seat()
         time.sleep(0.02)
     waiting = [s["num_waiting"] for s in stats]
-    shed_at = {"x-slo-ttft-ms": "50", "x-slo-shed": "true"}
-    retrying = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=2)  # the client's default
-    for c in (client, client, retrying):  # x-should-retry: false: the default client does not send it again
-        with pytest.raises(openai.RateLimitError) as info:
-            c.completions.create(model=served.model, prompt="Hi", max_tokens=4, extra_headers=shed_at)
-        error = info.value.body
-        assert error["code"] == "slo_unattainable" and error["param"] == "x-slo-ttft-ms", error
-        assert int(info.value.response.headers["retry-after"]) >= 1
-        assert info.value.response.headers["x-should-retry"] == "false"
-    stats = served.stats()
-    assert [s["num_running"] for s in stats] == [SEATS] * REPLICAS, stats  # the holders still run
-    assert [s["num_waiting"] for s in stats] == waiting, stats  # and nothing was queued for the shed ones
-    late = client.chat.completions.create(
-        model=served.model, messages=CHAT, max_tokens=4, temperature=0, extra_headers={"x-slo-ttft-ms": "50"}
-    )
-    assert late.choices[0].finish_reason == "length"
-    for t in holders:
-        t.join(180)
-    assert [r.status_code for r in results] == [200] * len(holders)
+    try:
+        shed_at = {"x-slo-ttft-ms": "50", "x-slo-shed": "true"}
+        retrying = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=2)  # the client's default
+        for c in (client, client, retrying):  # x-should-retry: false: the default client does not send it again
+            with pytest.raises(openai.RateLimitError) as info:
+                c.completions.create(model=served.model, prompt="Hi", max_tokens=4, extra_headers=shed_at)
+            error = info.value.body
+            assert error["code"] == "slo_unattainable" and error["param"] == "x-slo-ttft-ms", error
+            assert int(info.value.response.headers["retry-after"]) >= 1
+            assert info.value.response.headers["x-should-retry"] == "false"
+        stats = served.stats()
+        assert [s["num_running"] for s in stats] == [SEATS] * REPLICAS, stats  # the holders still run
+        assert [s["num_waiting"] for s in stats] == waiting, stats  # and nothing was queued for the shed ones
+
+        # Without shedding, the same target: it waits for a seat (at least the 0.2 s before the
+        # holders hang up), then is served, late.
+        answers: list = []
+        late = threading.Thread(target=lambda: answers.append(client.chat.completions.create(
+            model=served.model, messages=CHAT, max_tokens=4, temperature=0, extra_headers={"x-slo-ttft-ms": "50"},
+        )))
+        late.start()
+        while True:  # until it queues
+            stats = served.stats()
+            if sum(s["num_waiting"] for s in stats) > sum(waiting):
+                break
+            assert time.monotonic() < deadline + 60, stats
+            time.sleep(0.02)
+        time.sleep(0.2)
+    finally:
+        release.set()
+        for t in holders:
+            t.join(60)
+    late.join(60)
+    assert [a.choices[0].finish_reason for a in answers] == ["length"]
+    assert statuses == [200] * len(holders)
+    served.wait_idle(timeout_s=30)
     after = slo_counts(served)
     assert {k: after[k] - before[k] for k in after} == {"met": 1, "missed": 1, "shed": 3}
 
