@@ -87,7 +87,7 @@ class ServeConfig(IngressConfig):
         engine:
           model: HuggingFaceTB/SmolLM2-135M-Instruct
           dtype: auto
-          max_num_seqs: 32
+          max_num_seqs: 64
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -109,7 +109,7 @@ class EngineConfig(BaseModel):
             "with transformers' tensor-parallel plan; the model's query and KV heads must divide by it."
         ),
     )
-    max_num_seqs: int = Field(32, ge=1, description="Seats: requests running in one batch at most.")
+    max_num_seqs: int = Field(64, ge=1, description="Seats: requests running in one batch at most.")
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget of one step (prefill chunks plus decodes)."
     )

@@ -20,8 +20,11 @@ than the least loaded free-seat replica by more than this (or by the relative bo
 larger) is not chosen for its prefix match. SGLang's router has the same guard
 (``balance_abs_threshold``)."""
 
-PREFIX_BALANCE_REL_THRESHOLD = 0.25
-"""The same bound as a fraction of a replica's seats (``max_num_seqs``): 8 requests at 32 seats."""
+PREFIX_BALANCE_REL_THRESHOLD = 0.125
+"""The same bound as a fraction of a replica's seats (``max_num_seqs``): 8 requests at 64 seats.
+A burst that finds every replica with free seats leans toward the replica its prompts' shared
+prefix points at by up to this many requests, and the leaning replica sets the burst's tail
+(docs/bench/burst-tail-cpu.md)."""
 
 PREFIX_MIN_MATCH_FRACTION = 0.3
 """Cache-aware routing follows a match only if it covers at least this fraction of the prompt's

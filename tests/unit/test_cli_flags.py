@@ -11,7 +11,9 @@ flag and its default (None, "not given"), but its values are vLLM's ``fcfs|prior
 field's default: fcfs); its former values ``continuous|static`` still work, deprecated, as the
 added ``--batching-policy`` (issue 54, priorities). ``bench autoscale`` adds ``--shape`` (issue 54,
 autoscaling that sees waiting; its default is the former load), and its documented line now
-gives the bench's new fields and its 1 s queue-wait target.
+gives the bench's new fields and its 1 s queue-wait target. The engine's default seats
+(``max_num_seqs``) went from 32 to 64 (issue 54, the burst tail): the documented lines that do not
+set them now start engines of 64.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def test_generated_help_comes_from_the_field():
 
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
     description = EngineConfig.model_fields["max_num_seqs"].description
-    assert f"{description}  [default: 32; x>=1]" in result.output
+    assert f"{description}  [default: 64; x>=1]" in result.output
     result = CliRunner().invoke(app, ["bench", "offline", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
     assert f"{description}  [default: 4; x>=1]" in result.output  # the bench's own default, once
 

@@ -308,7 +308,7 @@ def test_router_keeps_each_conversation_on_one_replica():
     ends first), and a conversation sends its next turn as soon as one ends."""
     random.seed(3)
     replicas = [FakeReplica("a"), FakeReplica("b")]
-    router = make_router(replicas)  # 8 seats: imbalance bound max(4, 0.25 x 8) = 4 requests
+    router = make_router(replicas)  # 8 seats: imbalance bound max(4, 0.125 x 8) = 4 requests
     homes: dict[int, list[str]] = {c: [] for c in range(16)}
     in_flight = {}
     n = 0
@@ -369,7 +369,8 @@ def test_router_without_pending_request_or_prompt():
 
 def test_router_imbalance_bound_from_seats():
     router = make_router([FakeReplica("a", num_slots=32)])
-    assert router.max_imbalance([FakeReplica("a", num_slots=32)]) == 8  # 0.25 x 32 seats
+    assert router.max_imbalance([FakeReplica("a", num_slots=64)]) == 8  # 0.125 x 64 seats
+    assert router.max_imbalance([FakeReplica("a", num_slots=32)]) == 4  # at least 4 requests
     assert router.max_imbalance([FakeReplica("a", num_slots=8)]) == 4  # at least 4 requests
     assert router.max_imbalance([FakeReplica("a", num_slots=0)]) == 4  # before the first poll
     router = make_router([], prefix_balance_abs_threshold=2, prefix_balance_rel_threshold=0.5)
