@@ -190,9 +190,10 @@ class Scheduler:
         if self.scheduling_policy == "priority" and self.PREEMPTS_FOR_PRIORITY:
             while (victim := priority_victim(self)) is not None:  # room for a waiting request of higher priority
                 self._preempt(victim, out)
+        made_room = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if len(out.preempted) == made_room:  # none preempted for blocks this step
+            self._admit_waiting(out, budget, ahead_of=min((r.priority for r in out.preempted), default=None))
         if self.max_loras is not None:
             out.active_loras = running_loras(self.running)
         if out.scheduled:
@@ -232,14 +233,19 @@ class Scheduler:
             index += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Hook: admit waiting requests into ``out``, in the queue's order, while seats, ``budget`` and blocks allow
-        (called only when no request was preempted this step: ``running`` is as the step found it).
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, ahead_of: int | None = None) -> None:
+        """Hook: admit waiting requests into ``out``, in the queue's order, while seats, ``budget`` and blocks allow.
+        Not called in a step that preempted a request for blocks (vLLM v1's rule: nothing is
+        admitted then). In a step that preempted for priority, ``ahead_of`` is the victims' highest
+        priority, and only requests of a priority above it (a smaller number) are admitted: the
+        heads the victims made room for, in this same step, and never a victim back.
         A request whose adapter would exceed ``max_loras`` is passed over, keeping its place."""
         index = 0
         loras = LoRAAdmission(self.running, self.max_loras)
         while index < len(self.waiting) and budget > 0 and self.num_seats_taken < self.max_num_seqs:
             request = self.waiting[index]
+            if ahead_of is not None and request.priority >= ahead_of:
+                break  # the queue is in priority order: the rest wait for the next step
             if loras.blocked(request):
                 index += 1
                 continue

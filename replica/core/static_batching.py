@@ -84,12 +84,13 @@ class StaticBatchScheduler(Scheduler):
         request.block_ids = self.block_manager.block_table(request.request_id)
         return ScheduledRequest(request, position, 1, samples=True, is_padding=True)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, ahead_of: int | None = None) -> None:
         """A new batch forms only once the previous one has left (``running`` is as the step found
-        it); its members whose prefill did not fit the budget this step still take a seat."""
+        it); its members whose prefill did not fit the budget this step still take a seat. Static
+        batching never preempts for priority, so ``ahead_of`` is always None here."""
         if self.running:
             return
-        super()._admit_waiting(out, budget)
+        super()._admit_waiting(out, budget, ahead_of)
         loras = LoRAAdmission(self.running, self.max_loras)
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]

@@ -22,8 +22,9 @@ Under ``"priority"`` (vLLM's ``SchedulingPolicy.PRIORITY``):
   other in turn. A victim's blocks stay in the prefix cache, so its recompute often finds them.
 
 No livelock: a request is only preempted for one of strictly higher priority, and it then waits
-behind it; the head it made room for is admitted once the step that preempted (which admits
-nothing, as any step that preempts) is over. Not preempted for: the token budget (running
+behind it. The head it made room for is admitted in the same step (with any other waiting request
+of a priority above every victim's), so it waits for no extra step; a step that preempts a request
+for KV blocks admits nothing, as in vLLM v1. Not preempted for: the token budget (running
 requests are served first, as in vLLM), and a head that waits for a LoRA slot.
 """
 

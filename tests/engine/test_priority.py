@@ -122,11 +122,10 @@ def _alone_prefixes(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [llm.generate(prompt_token_ids=[p], sampling_params=_params(3))[0].outputs[0].token_ids for p in prompts]
 
 
-def test_a_preemption_in_a_step_that_runs_nothing_is_counted_and_reported(tiny_llama):
-    """One seat: a priority-0 arrival preempts the running priority-5 request in a step that then
-    runs nothing (a step that preempts admits nobody); the preemption is still counted by priority
-    (5 is in the label ">=4")
-    and reported to step observers."""
+def test_a_priority_preemption_is_counted_reported_and_its_seat_taken_in_the_same_step(tiny_llama):
+    """One seat: a priority-0 arrival preempts the running priority-5 request and takes its seat in
+    the same step (its prompt's prefill is the step's one row); the preemption is counted by
+    priority (5 is in the label ">=4") and reported to step observers."""
     metrics = EngineMetrics("tiny", "r0")
     engine = LLMEngine(model=tiny_llama, **ENGINE, max_num_seqs=1, scheduling_policy="priority", metrics=metrics)
     records = []
@@ -136,7 +135,9 @@ def test_a_preemption_in_a_step_that_runs_nothing_is_counted_and_reported(tiny_l
     high = engine.add_request(prompt_token_ids=WORKLOAD[1][0], sampling_params=_params(4), priority=0)
     engine.step()
     assert engine.scheduler.num_preemptions == 1 and low.num_preemptions == 1
-    assert records[-1].preempted == (low.request_id,) and records[-1].num_batched_tokens == 0
+    assert records[-1].preempted == (low.request_id,)
+    assert [row.request_id for row in records[-1].rows] == [high.request_id]
+    assert records[-1].num_batched_tokens == len(WORKLOAD[1][0])
     assert metrics.registry.get_sample_value("carpool:num_preemptions_total", LABELS) == 1
     assert metrics.registry.get_sample_value("carpool:num_preemptions_by_priority_total", {**LABELS, "priority": ">=4"}) == 1
     while engine.has_unfinished_requests():

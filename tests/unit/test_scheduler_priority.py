@@ -71,13 +71,13 @@ def test_a_waiting_request_preempts_a_lower_priority_one_for_a_seat():
     low2 = sched.requests["low2"]
     generated = list(low2.output_token_ids)
     sched.add_request(req("high", 3, priority=0))
-    out = step(sched)  # the newest of the lowest priority gives its seat; nothing is admitted in a step that preempts
-    assert [r.request_id for r in out.preempted] == ["low2"] and rows(out) == [("low1", 1)]
+    out = step(sched)  # the newest of the lowest priority gives its seat, which the high one takes in this step
+    assert [r.request_id for r in out.preempted] == ["low2"] and rows(out) == [("low1", 1), ("high", 3)]
     assert low2.status == RequestStatus.WAITING and low2.num_computed_tokens == 0 and not low2.block_ids
-    assert ids(sched.waiting) == ["high", "low2"]
-    out = step(sched)
-    assert rows(out) == [("low1", 1), ("high", 3)] and not out.preempted
+    assert ids(sched.waiting) == ["low2"]
     assert ids(sched.running) == ["high", "low1"]  # running in priority order
+    out = step(sched)
+    assert rows(out) == [("high", 1), ("low1", 1)] and not out.preempted
     assert low2.output_token_ids == generated  # its tokens so far are kept, recomputed when it returns
     assert sched.num_preemptions == 1 and low2.num_preemptions == 1
     run_to_end(sched)
@@ -107,8 +107,7 @@ def test_a_waiting_request_preempts_lower_priority_ones_for_blocks_lowest_first(
     sched.add_request(req("high", 10, 4, priority=0))
     out = step(sched)
     assert [r.request_id for r in out.preempted] == ["p2"]  # the lowest priority goes, even though it is not the newest
-    out = step(sched)
-    assert ("high", 10) in rows(out) and sched.requests["p1"].status == RequestStatus.RUNNING
+    assert ("high", 10) in rows(out) and sched.requests["p1"].status == RequestStatus.RUNNING  # in the same step
     run_to_end(sched)
 
 
@@ -132,9 +131,10 @@ def test_a_preempted_request_waits_at_its_priority_and_arrival_place():
     step(sched)
     sched.add_request(req("lowest", 3, priority=9))
     sched.add_request(req("high", 3, priority=0))
+    sched.add_request(req("high2", 3, priority=0))
     out = step(sched)
-    assert [r.request_id for r in out.preempted] == ["mid"]
-    assert ids(sched.waiting) == ["high", "mid", "lowest"]  # not first (fcfs's place), not last
+    assert [r.request_id for r in out.preempted] == ["mid"] and rows(out) == [("high", 3)]  # its seat, at once
+    assert ids(sched.waiting) == ["high2", "mid", "lowest"]  # not first (fcfs's place), not last
     run_to_end(sched)
 
 
