@@ -32,7 +32,7 @@ PANELS = [
       ("seats", f"sum(carpool:num_slots{{{SEL}}})")], "timeseries"),
     ("KV cache usage per replica", "Fraction of KV blocks in use, 0-1.", "percentunit",
      [("{{replica}}", f"carpool:kv_cache_usage_perc{{{SEL}}}")], "timeseries"),
-    ("Preemptions", "Preemptions by recompute per second (KV blocks ran out).", "ops",
+    ("Preemptions", "Preemptions by recompute per second (KV blocks ran out, or a request of higher priority needed the room).", "ops",
      [("{{replica}}", f"sum by (replica) (rate(carpool:num_preemptions_total{{{SEL}}}[{RATE}]))")], "timeseries"),
     ("Prefix cache hit rate per replica",
      "Prompt tokens found in the prefix cache / prompt tokens looked up, over the rate window (vLLM's hit rate).",

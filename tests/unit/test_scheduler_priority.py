@@ -138,6 +138,21 @@ def test_a_preempted_request_waits_at_its_priority_and_arrival_place():
     run_to_end(sched)
 
 
+def test_a_step_that_preempted_for_priority_admits_only_priorities_above_its_victims():
+    """``_admit_waiting``'s ``ahead_of``: with free seats, budget and blocks for everyone, only the
+    waiting requests of a priority above (a smaller number than) the victims' highest are admitted;
+    the victim's priority and lower ones wait for the next step."""
+    from replica.core.scheduler_output import SchedulerOutput
+
+    sched = make_scheduler(max_num_seqs=8, scheduling="priority")
+    for rid, priority in (("p0", 0), ("p1", 1), ("p2", 2)):
+        sched.add_request(req(rid, 3, priority=priority))
+    out = SchedulerOutput(step=1)
+    sched._admit_waiting(out, sched.max_num_batched_tokens, ahead_of=1)
+    assert rows(out) == [("p0", 3)] and ids(sched.waiting) == ["p1", "p2"]
+    run_to_end(sched)
+
+
 def test_static_batching_orders_its_queue_by_priority_and_never_preempts_for_it():
     sched = make_scheduler(max_num_seqs=2, policy="static", scheduling="priority")
     for rid, priority in (("a", 1), ("b", 1), ("c", 0)):
