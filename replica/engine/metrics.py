@@ -94,7 +94,10 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 0-1 (1 = every block used).")
         self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV blocks in the pool.")
         self.kv_cache_blocks_free = gauge("kv_cache_blocks_free", "KV blocks free.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions by recompute (KV blocks ran out, or a waiting request of higher priority took the seat or blocks).")
+        self.num_preemptions = counter(
+            "num_preemptions",
+            "Preemptions by recompute (KV blocks ran out, or a waiting request of higher priority took the seat or blocks).",
+        )
         self._preemptions_by_priority = Counter(
             "carpool:num_preemptions_by_priority",
             "Preemptions by recompute, by the preempted request's priority (label priority: -3 to 3, else <=-4 or >=4).",
