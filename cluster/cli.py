@@ -162,6 +162,7 @@ SERVE_OPTIONS = [
     _engine("model"),
     _engine("dtype"),
     _engine("device"),
+    _engine("quantization", "--quantization", "-q"),
     _serve("replicas"),
     _engine("tensor_parallel_size", "--tensor-parallel-size", "-tp"),
     _engine("max_num_seqs", "--max-num-seqs", "--seats"),

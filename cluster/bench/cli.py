@@ -49,6 +49,7 @@ DTYPE, DEVICE, COMPILE = _engine("dtype"), _engine("device"), _engine("compile")
 ATTENTION, CUDA_GRAPHS, ASYNC = _engine("attention_backend"), _engine("cuda_graphs"), _engine("async_scheduling")
 BATCHED_TOKENS, KV_MEMORY = _engine("max_num_batched_tokens"), _engine("kv_cache_memory")
 TP = _engine("tensor_parallel_size", "--tensor-parallel-size", "-tp")
+QUANTIZATION = _engine("quantization", "--quantization", "-q")
 SPECULATIVE = _engine("speculative_config", "--speculative-config", parse=parse_speculative_config, metavar="<json>",
                       note="A JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; the results report its acceptance.")
 
@@ -140,7 +141,7 @@ def overhead(given: Given) -> None:
 
 @command(bench_app, "profile", [
     MODEL, DTYPE, DEVICE, _seats(4), *options_of(o.ProfileOptions), ATTENTION, COMPILE, CUDA_GRAPHS, ASYNC, TP,
-    SPECULATIVE,
+    SPECULATIVE, QUANTIZATION,
 ], fail=_fail_bench)
 def profile(given: Given) -> None:
     """Where a step's time goes: milliseconds per step by phase and by operator (torch profiler)."""

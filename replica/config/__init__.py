@@ -10,7 +10,7 @@ from replica.config.engine_config import (
     cache_dir,
     check_dtype_name,
 )
-from replica.config.model_files import load_tokenizer, packaged_gguf_path, resolve_model_path
+from replica.config.model_files import load_tokenizer, packaged_gguf_path, resolve_gguf_model, resolve_model_path
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -20,5 +20,6 @@ __all__ = [
     "check_dtype_name",
     "load_tokenizer",
     "packaged_gguf_path",
+    "resolve_gguf_model",
     "resolve_model_path",
 ]

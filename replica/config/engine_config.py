@@ -101,6 +101,16 @@ class EngineConfig(BaseModel):
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
+    quantization: Literal["gguf"] | None = Field(
+        None,
+        description=(
+            "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1 and Q8_0 blocks, "
+            "with Carpool's 4-bit CPU kernel: bfloat16 on AVX512-BF16 CPUs, float32 on AVX512 ones; "
+            "tensor_parallel_size 1); the "
+            "model is a .gguf file or the default model (its package ships a Q4_1 file). Unset: GGUF "
+            "weights are de-quantized to dtype at load."
+        ),
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
@@ -245,6 +255,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.quantization == "gguf" and (self.device != "cpu" or self.tensor_parallel_size > 1):
+            raise ValueError(
+                "quantization gguf runs on device cpu at tensor_parallel_size 1 for now "
+                f"(got device {self.device!r}, tensor_parallel_size {self.tensor_parallel_size})"
+            )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: serve adapters at tensor_parallel_size 1")
         return self

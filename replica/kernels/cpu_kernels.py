@@ -3,7 +3,7 @@ on first use with torch's C++ extension loader and cached: paged decode attentio
 on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
 and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
 ``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
-without Python in between; Carpool's kernels serve any number of rows and are batch-invariant), and the
+without Python in between; ``q4_linear`` and ``q8_linear``: weights in GGUF's Q4_0/Q4_1 and Q8_0 blocks, on AVX512 (bf16 activations need AVX512-BF16); Carpool's kernels serve any number of rows and are batch-invariant), and the
 sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
@@ -14,7 +14,7 @@ the reference backend (SDPA). The sampling kernels' reasons are at the top of th
 
 :func:`load` builds (once per CPU flag set, with ``g++`` and ``ninja``; then cached) and registers the
 ``torch.ops.carpool_cpu`` ops (``decode_attention``, ``packed_linear``, ``pack_bf16_weight``,
-``has_bf16_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
+``has_bf16_gemv``, ``q4_linear``, ``has_q4_gemv``, ``q8_linear``, ``has_q8_gemv``, ``f32_linear``, ``pack_f32_weight``, ``has_f32_gemv``, ``argmax_rows``,
 ``sample_rows``, ``shm_collective``: a tensor-parallel group's all-reduce and gather through
 shared memory, ``replica/worker/shm_all_reduce.py``); it returns False, once with a warning,
 where they cannot be built (the engine then uses the compiled formulation and torch's sampling).
@@ -40,7 +40,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 # about as long as the others together.
 SOURCES = [SOURCE.with_name(name) for name in (
     "cpu_linear_f32.cpp", "cpu_kernels.cpp", "cpu_attention.cpp", "cpu_attention_avx512.cpp", "cpu_linear_bf16.cpp",
-    "cpu_sampling.cpp", "cpu_shm_all_reduce.cpp",
+    "cpu_linear_q4.cpp", "cpu_linear_q8.cpp", "cpu_sampling.cpp", "cpu_shm_all_reduce.cpp",
 )]
 NAME = "carpool_cpu_kernels"
 _state: dict[str, bool] = {}
@@ -83,6 +83,13 @@ def has_f32_gemv() -> bool:
     """Whether Carpool's float32-accumulating linear kernel (float32 and bf16 weights) is built
     (the CPU has AVX2 and FMA)."""
     return available() and torch.ops.carpool_cpu.has_f32_gemv()
+
+
+def has_block_gemv(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether Carpool's kernels for GGUF's blocks (``q4_linear``: Q4_0 and Q4_1; ``q8_linear``:
+    Q8_0) are built for activations of ``dtype``: bfloat16 where the CPU has AVX512-BF16 and
+    AVX512BW, float32 where it has AVX512F."""
+    return available() and torch.ops.carpool_cpu.has_q4_gemv(dtype) and torch.ops.carpool_cpu.has_q8_gemv(dtype)
 
 
 def has_bf16_gemv() -> bool:
@@ -155,6 +162,14 @@ def load() -> bool:
 
     @torch.library.register_fake("carpool_cpu::f32_linear")
     def _(x, packed, bias, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("carpool_cpu::q4_linear")
+    def _(x, qweight, scales, mins, bias, out_features, offset):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    @torch.library.register_fake("carpool_cpu::q8_linear")
+    def _(x, qweight, scales, bias, out_features):
         return x.new_empty(*x.shape[:-1], out_features)
 
     _state["ok"] = True

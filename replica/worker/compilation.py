@@ -36,7 +36,9 @@ decoder.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import logging
 import os
 import types
@@ -149,6 +151,8 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
         dtype = next(model.parameters()).dtype
     packed: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     for module in model.modules():
+        if hasattr(module, "carpool_q_weight"):  # computed from GGUF's blocks (replica.quant)
+            continue
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module, dtype):
             weight = module.weight.detach()
             # The packed forwards compute the weight's rows: under tensor parallelism, this rank's
@@ -261,11 +265,46 @@ def compile_decoder(model: torch.nn.Module) -> None:
 
     Callers mark the step's varying sizes dynamic (:func:`mark_step_dynamic`) and keep them at 2 or
     more, so that one graph serves every decode-like step and one every other step.
+
+    Dynamo's guards on the modules' attributes are dropped
+    (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): checking them before every step
+    cost about a quarter of what the linear layers of a one-row 4-bit step cost
+    (``docs/bench/quantized-cpu.md``, "Where the step's time goes"). Two things make that safe:
+
+    * dynamo keeps compiled code per code object, and guards are what told one module's graphs
+      from another's (``nn.Module.compile`` compiles ``Module._call_impl``, whose code every module
+      shares): each decoder is compiled through a function with a code object of its own
+      (:func:`_own_code`, called with the decoder as its first argument), as one graph
+      (``fullgraph``: a graph break would compile the layers' own code, which every decoder of the
+      class shares, without the guards), so another engine's decoder in the same process (a
+      speculative draft, the tests' engines) never runs this one's graphs;
+    * every attribute the compiled modules read (packed weights, KV caches, LoRA slots, forwards)
+      is set before the first step, and afterwards only tensors' contents change, in place (LoRA
+      slots: ``replica.lora.slots.repack_linear``). The guards on the step's inputs stay.
     """
     import torch._inductor.config
 
     torch._inductor.config.size_asserts = False
-    model.get_decoder().compile()
+    decoder = model.get_decoder()
+    compiled = torch.compile(
+        _own_code(), fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    )
+    decoder._compiled_call_impl = functools.partial(compiled, decoder)
+
+
+def _own_code():
+    """``step(module, *args, **kwargs)``, which calls ``module`` as ``nn.Module.__call__`` would
+    without compiling, with a code object no other function has. The module is an argument, so
+    that dynamo sees it as a module (whose guards the filter drops), not as a closure's value."""
+
+    def step(module, *args, **kwargs):
+        return module._call_impl(*args, **kwargs)
+
+    code = step.__code__.replace(co_name=f"carpool_decoder_{next(_decoders)}")
+    return types.FunctionType(code, step.__globals__, code.co_name)
+
+
+_decoders = itertools.count()
 
 
 def mark_step_dynamic(input_ids: torch.Tensor, position_ids: torch.Tensor, decode) -> None:

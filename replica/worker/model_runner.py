@@ -50,7 +50,7 @@ from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_me
 from replica.worker.input_batch import InputBatch, ModelInputs, decode_arrays
 from replica.worker.kv_cache import PagedKVCache, kv_bytes_per_block, model_shape
 from replica.worker.kv_sizing import decide_num_blocks
-from replica.worker.model_loader import load_model, resolve_dtype
+from replica.worker.model_loader import load_model, quantize_linears, resolve_dtype
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 from replica.worker.model_support import check_supported, probe_attention
 from replica.worker.parallel import TPGroup, abandon_group, install_forwards, localize, shared_reducer
@@ -86,9 +86,13 @@ class ModelRunner:
             (:func:`~replica.worker.tp_launch.start_ranks`), unless ``tp`` says it is one of them.
         lora: ``(max_loras, max_lora_rank, max step tokens)`` to serve LoRA adapters
             (:mod:`replica.lora`): every linear layer of the decoder layers gets slots.
+        gguf_file: the GGUF file the model was converted from, to compute its Q4_0, Q4_1 and Q8_0
+            linear layers from the file's blocks (:mod:`replica.quant`; ``quantization: gguf``).
     Raises:
         ValueError: an unknown or unavailable attention backend; a ``tensor_parallel_size`` the
-            model's heads do not split over.
+            model's heads do not split over; ``gguf_file`` where the block kernels are not built for
+            the dtype (:func:`~replica.worker.model_loader.quantize_linears`), or a file
+            :func:`~replica.quant.gguf_weights.quantize_from_gguf` refuses.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
         lora: tuple[int, int, int] | None = None,
+        gguf_file: str | None = None,
         launch_ranks=None,
         tp: TPGroup | None = None,
     ) -> None:
@@ -163,6 +168,7 @@ class ModelRunner:
             sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
             if self.device.type == "cpu":
                 cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
+            self.num_quantized = quantize_linears(self.model, gguf_file, self.dtype) if gguf_file else 0
             self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
             if self.lora is not None:
                 wrap_forwards(self.lora.modules)

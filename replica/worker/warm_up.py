@@ -24,7 +24,8 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
       padded step size, so that oneDNN builds all its matmul primitives now, not in served steps:
       every :func:`padded_size` up to ``max_num_batched_tokens`` tokens for the layers inside the
       model, up to ``max_num_seqs`` rows for the output embedding. Layers on Carpool's own
-      kernels (``carpool_gemv_weight``, ``carpool_f32_weight``) build nothing and are skipped.
+      kernels (``carpool_gemv_weight``, ``carpool_f32_weight``, ``carpool_q_weight``) build nothing
+      and are skipped; the report counts the layers on GGUF's blocks (``quantized_layers``).
     * With compile: run dummy steps (decode-only and mixed, at two sizes each) so that the graphs
       of the compiled decoder that steps take are compiled (or loaded from the compile cache)
       before the first request: the decode graph, and the graph of steps whose prefill chunks go
@@ -36,6 +37,8 @@ def warm_up(runner, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str,
     Raises ``RuntimeError`` if a CUDA graph capture fails (the message names ``--no-cuda-graphs``).
     """
     report: dict[str, float] = {}
+    if getattr(runner, "num_quantized", 0):
+        report["quantized_layers"] = runner.num_quantized
     if runner.pad_steps:
         started = time.perf_counter()
         report["matmuls"] = _warm_up_matmuls(runner, max_num_batched_tokens, max_num_seqs)
@@ -84,7 +87,11 @@ def _features(module: torch.nn.Linear) -> tuple[int, int]:
 
 
 def _on_carpool_kernel(module: torch.nn.Module) -> bool:
-    return getattr(module, "carpool_gemv_weight", None) is not None or hasattr(module, "carpool_f32_weight")
+    return (
+        getattr(module, "carpool_gemv_weight", None) is not None
+        or hasattr(module, "carpool_f32_weight")
+        or hasattr(module, "carpool_q_weight")  # GGUF's blocks (replica.quant)
+    )
 
 
 def dummy_step(runner, query_lens: list[int], width: int, *, all_logits: bool = False) -> None:

@@ -3,7 +3,7 @@
 * replica (the engine) < router (the HTTP ingress) < cluster (config, CLI, app building, benchmarks);
   no module imports itself back (no cycle).
 * Inside replica, its packages in layers, lowest first: ``config`` < ``protocol`` < ``core`` <
-  ``kernels`` < ``attention`` < ``sample`` < ``lora`` < ``worker`` < ``spec_decode`` < ``engine`` < ``serve``; ``replica``'s own
+  ``kernels`` < ``quant`` < ``attention`` < ``sample`` < ``lora`` < ``worker`` < ``spec_decode`` < ``engine`` < ``serve``; ``replica``'s own
   ``__init__`` (the public names) sits on top of them.
 * Inside router, lowest first: its settings (the module ``router.config``) < ``observability`` <
   ``routing`` < ``request`` < ``lora`` < ``dispatch`` < ``response``; its top-level modules
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("replica", "router", "cluster")  # lowest first
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 ENGINE_PACKAGES = (
-    "config", "protocol", "core", "kernels", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
+    "config", "protocol", "core", "kernels", "quant", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
 )
 ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response")
 ROUTER_MODULE_LAYERS = ("config",)  # modules, not packages: router/config.py, the settings every layer reads

@@ -43,6 +43,7 @@ def profile_main(
     tensor_parallel_size: int = 1,
     workload: str = "seed-mix",
     speculative_config: dict | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Profile ``steps`` engine steps of the seed mix after ``skip`` steps; print and return
     milliseconds per step by phase and by operator (on CUDA also the kernels' busy time per step).
@@ -52,7 +53,8 @@ def profile_main(
     ``sample``) is then their masks' cost.
 
     ``workload``: ``seed-mix`` or ``input-grounded`` (``num_requests`` of either);
-    ``speculative_config``: the engine's (a dict of its keys; None: no speculation).
+    ``speculative_config``: the engine's (a dict of its keys; None: no speculation);
+    ``quantization``: the engine's (``gguf``: the linear layers on the GGUF file's blocks).
 
     Raises ``ValueError`` for another workload, or if it ends before ``skip + steps`` steps.
     """
@@ -67,6 +69,7 @@ def profile_main(
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, compile=compile, attention_backend=attention_backend,
         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
         **({"speculative_config": speculative_config} if speculative_config is not None else {}),
     )
     llm = LLM(**({"model": model} if model else {}), **kwargs)

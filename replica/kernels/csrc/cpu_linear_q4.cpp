@@ -1,0 +1,230 @@
+// Carpool's 4-bit linear layers (built by replica/kernels/cpu_kernels.py, with cpu_kernels.cpp, which
+// defines the op library carpool_cpu): weights in blocks of 32 along K, each block of one output
+// row with its own scale d and, optionally, minimum m (fp16), as GGUF's Q4_0 (w = d * (q - 8)) and
+// Q4_1 (w = d * q + m) store them; bf16 activations on AVX512-BF16 (with AVX512BW for the
+// nibbles), float32 activations on AVX512F.
+//
+// y[r, n] = sum over blocks b of  d[n, b] * (sum over the block's k of x[r, k] * (q[n, k] - offset))
+//                               + m[n, b] * (sum over the block's k of x[r, k])
+// bf16: each block's inner sum is exact bf16 products summed in float32 by vdpbf16ps (q - offset,
+// an integer in [-8, 15], is exact in bf16), the even and the odd k-pairs each in ascending order,
+// then the two added; float32: the same with fused multiply-adds on even and odd k. The block sums
+// are scaled and added in ascending b, and the output is rounded to its dtype once. The order depends on nothing but the
+// row's own values, so a row's result does not depend on its batch mates (as cpu_linear_bf16.cpp).
+//
+// Packed layout (pack_weight in replica/quant/blocks.py makes it), for groups of 16 outputs:
+//   qweight uint8 [G, B, 8, 16, 2]: for each block's 8 quarters h (k = 4h .. 4h + 3), output lane
+//     j and e in {0, 1}, the byte q[j, 4h + e] | q[j, 4h + 2 + e] << 4. Widened to 16 bits, the low
+//     nibbles are the k-pair (4h, 4h + 1) of the 16 lanes as vdpbf16ps wants them (lane j's pair in
+//     elements 2j, 2j + 1), the high nibbles the k-pair (4h + 2, 4h + 3).
+//   scales, mins fp16 [G, B, 16] (mins absent for Q4_0).
+// A nibble becomes bf16 through a 32-entry table (vpermw): entry i holds bf16(i - offset); for
+// float32, a 16-entry table (vpermps, which reads an index's low 4 bits only) holds i - offset.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_linear_blocks.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+
+
+// Whether this build computes x of `dtype` (bf16: AVX512-BF16 and AVX512BW; float32: AVX512F).
+bool has_q4_gemv(at::ScalarType dtype) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+#if defined(__AVX512F__)
+// As q4_rows below, for float32 x: per quarter h of a block, the 32 bytes read as 16 words
+// (lane j: byte e = 0 in bits 0-7, e = 1 in bits 8-15) give k = 4h, 4h + 1, 4h + 2, 4h + 3 in the
+// nibbles at bits 0, 8, 4 and 12.
+template <int M>
+void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict xsum, const uint8_t* __restrict q,
+                 const uint16_t* __restrict d, const uint16_t* __restrict mins, __m512 table, const float* __restrict bias,
+                 float* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* qg = q + group * blocks * 256;
+  const uint16_t* dg = d + group * blocks * 16;
+  const uint16_t* mg = mins ? mins + group * blocks * 16 : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[M], odd[M];  // two chains per row: k = 4h, 4h + 2 and k = 4h + 1, 4h + 3
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const uint8_t* qb = qg + b * 256;
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1088), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1152), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1216), _MM_HINT_T0);
+    for (int h = 0; h < 8; ++h) {
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + h * 32)));
+      const __m512 w[4] = {
+          _mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), table),
+          _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), table)};
+      const int64_t k = b * 32 + h * 4;
+      for (int m = 0; m < M; ++m) {
+        even[m] = _mm512_fmadd_ps(w[0], _mm512_set1_ps(x[m * K + k]), even[m]);
+        odd[m] = _mm512_fmadd_ps(w[1], _mm512_set1_ps(x[m * K + k + 1]), odd[m]);
+        even[m] = _mm512_fmadd_ps(w[2], _mm512_set1_ps(x[m * K + k + 2]), even[m]);
+        odd[m] = _mm512_fmadd_ps(w[3], _mm512_set1_ps(x[m * K + k + 3]), odd[m]);
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    if (mg) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
+    }
+  }
+  carpool_blocks::store_rows<M>(acc, bias, y, N, group);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <int M>
+void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restrict xsum, const uint8_t* __restrict q,
+             const uint16_t* __restrict d, const uint16_t* __restrict mins, __m512i table, const float* __restrict bias,
+             at::BFloat16* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  const uint8_t* qg = q + group * blocks * 256;
+  const uint16_t* dg = d + group * blocks * 16;
+  const uint16_t* mg = mins ? mins + group * blocks * 16 : nullptr;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[M], odd[M];  // two chains of dot products per row (cpu_linear_blocks.h)
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const uint8_t* qb = qg + b * 256;
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1088), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1152), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 1216), _MM_HINT_T0);
+    for (int h = 0; h < 8; ++h) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + h * 32)));
+      const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      const int64_t p = b * 16 + h * 2;
+      for (int m = 0; m < M; ++m) {
+        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x[m * pairs + p]));
+        odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x[m * pairs + p + 1]));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    if (mg) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
+    }
+  }
+  carpool_blocks::store_rows<M>(acc, bias, y, N, group);
+}
+#endif
+
+// x [..., K] bf16 @ W.T (+ bias) -> [..., N] bf16, W in the packed 4-bit layout above.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t out_features,
+                     int64_t offset) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!shape.empty(), "q4_linear: x must have a feature dimension");
+  shape.back() = out_features;
+  if (x.numel() == 0) return at::empty(shape, x.options());
+  TORCH_CHECK(has_q4_gemv(x.scalar_type()), "q4_linear: this build has no 4-bit kernel for x of ", x.scalar_type(),
+              " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
+#if defined(__AVX512F__)
+  TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 8 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
+                  qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "q4_linear: qweight must come from replica.quant.blocks.pack_weight");
+  const int64_t K = x.size(-1), rows = x.numel() / K, groups = qweight.size(0), blocks = qweight.size(1);
+  TORCH_CHECK(K == blocks * 32 && groups == (out_features + 15) / 16, "q4_linear: x [..., ", K, "] and out_features ",
+              out_features, " do not match the packed weight ", qweight.sizes());
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({groups, blocks, 16}) && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf,
+              "q4_linear: scales must be fp16 [", groups, ", ", blocks, ", 16]");
+  const bool has_mins = mins.has_value() && mins->defined();
+  TORCH_CHECK(!has_mins || (mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == at::kHalf),
+              "q4_linear: mins must be shaped as scales");
+  TORCH_CHECK(offset >= 0 && offset <= 16, "q4_linear: offset must be in [0, 16]");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, "q4_linear: bias must have ",
+              out_features, " elements");
+  auto x2 = x.reshape({rows, K}).contiguous();
+  auto y = at::empty(shape, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
+  // Each row's block sums of x (for the minimum's term), in ascending k.
+  auto xsum = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
+  float* xs = xsum.data_ptr<float>();
+  if (has_mins) {
+    auto sums = [&](const auto* xp) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+          float s = 0.f;
+          for (int64_t k = 0; k < 32; ++k) s += static_cast<float>(xp[r * K + b * 32 + k]);
+          xs[r * blocks + b] = s;
+        }
+    };
+    if (x2.scalar_type() == at::kFloat) sums(x2.data_ptr<float>());
+    else sums(x2.data_ptr<at::BFloat16>());
+  }
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    alignas(64) float values[16];
+    for (int i = 0; i < 16; ++i) values[i] = static_cast<float>(i - offset);
+    const __m512 table = _mm512_load_ps(values);
+    const float* xf = x2.data_ptr<float>();
+    float* yf = y.data_ptr<float>();
+    carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+      q4_rows_f32<M>(xf + r0 * K, K, xs + r0 * blocks, qp, dp, mp, table, bb, yf + r0 * out_features, out_features, group,
+                     blocks);
+    });
+    return y;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
+  alignas(64) uint16_t entries[32];
+  for (int i = 0; i < 32; ++i) entries[i] = at::BFloat16(static_cast<float>(i - offset)).x;
+  const __m512i table = _mm512_load_si512(entries);
+  const auto* xb = reinterpret_cast<const uint32_t*>(xp);
+  auto* yb = y.data_ptr<at::BFloat16>();
+  const int64_t pairs = K / 2;
+  carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+    q4_rows<M>(xb + r0 * pairs, pairs, xs + r0 * blocks, qp, dp, mp, table, bb, yb + r0 * out_features, out_features, group,
+               blocks);
+  });
+#endif
+#if defined(__AVX512F__)
+  return y;
+#else
+  return at::Tensor();  // not reached: has_q4_gemv is false for every dtype without AVX512F
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(carpool_cpu, m) {
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, int offset) -> Tensor");
+  m.def("has_q4_gemv(ScalarType dtype) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(carpool_cpu, CompositeExplicitAutograd, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("has_q4_gemv", &has_q4_gemv);
+}

@@ -1,0 +1,172 @@
+// Carpool's 8-bit linear layers (built by replica/kernels/cpu_kernels.py, with cpu_kernels.cpp, which
+// defines the op library carpool_cpu): weights in blocks of 32 along K, each block of one output row
+// with its own fp16 scale d, as GGUF's Q8_0 stores them (w = d * q, q a signed byte); bf16
+// activations on AVX512-BF16 (with AVX512BW), float32 activations on AVX512F. The sums, their order
+// (two chains per block: even and odd k-pairs, or k for float32) and the batch invariance are
+// those of cpu_linear_q4.cpp:
+//
+// y[r, n] = sum over blocks b of  d[n, b] * (sum over the block's k of x[r, k] * q[n, k])
+//
+// Packed layout (pack_weight in replica/quant/blocks.py makes it), for groups of 16 outputs:
+//   qweight uint8 [G, B, 16, 16, 2]: for each block's 16 k-pairs p, output lane j and e in {0, 1},
+//     the signed byte q[j, 2p + e]: the 32 bytes of a k-pair are the 16 lanes' pairs in the order
+//     vdpbf16ps wants them (lane j's pair in elements 2j, 2j + 1).
+//   scales fp16 [G, B, 16].
+// A byte becomes float32 exactly (sign-extended, vcvtdq2ps); for bf16, two such halves are rounded to
+// bf16 together (vcvtne2ps2bf16), exactly too: |q| <= 128 needs 8 significant bits.
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_linear_blocks.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
+
+bool has_q8_gemv(at::ScalarType dtype) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// One k-pair's 32 signed bytes (16 lanes' pairs) as bf16, exactly.
+inline __m512bh pair_weights(const uint8_t* bytes) {
+  const auto* src = reinterpret_cast<const __m128i*>(bytes);
+  const __m512 lanes_lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));      // lanes 0-7
+  const __m512 lanes_hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));  // lanes 8-15
+  return _mm512_cvtne2ps_pbh(lanes_hi, lanes_lo);
+}
+
+template <int M>
+void q8_rows(const uint32_t* __restrict x, int64_t pairs, const uint8_t* __restrict q, const uint16_t* __restrict d,
+             const float* __restrict bias, at::BFloat16* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* qg = q + group * blocks * 512;
+  const uint16_t* dg = d + group * blocks * 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[M], odd[M];  // two chains per row: even and odd k-pairs (as cpu_linear_q4.cpp)
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const uint8_t* qb = qg + b * 512;
+    for (int i = 0; i < 8; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 2048 + 64 * i), _MM_HINT_T0);
+    for (int p = 0; p < 16; p += 2) {
+      const __m512bh w0 = pair_weights(qb + p * 32), w1 = pair_weights(qb + p * 32 + 32);
+      for (int m = 0; m < M; ++m) {
+        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x[m * pairs + b * 16 + p]));
+        odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x[m * pairs + b * 16 + p + 1]));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+  }
+  carpool_blocks::store_rows<M>(acc, bias, y, N, group);
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int M>
+void q8_rows_f32(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const uint16_t* __restrict d,
+                 const float* __restrict bias, float* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* qg = q + group * blocks * 512;
+  const uint16_t* dg = d + group * blocks * 16;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 even[M], odd[M];  // two chains per row: even and odd k
+    for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const uint8_t* qb = qg + b * 512;
+    for (int i = 0; i < 8; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(qb) + 2048 + 64 * i), _MM_HINT_T0);
+    for (int p = 0; p < 16; ++p) {
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + p * 32)));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));  // e = 0, sign-extended
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));  // e = 1
+      const int64_t k = b * 32 + p * 2;
+      for (int m = 0; m < M; ++m) {
+        even[m] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[m * K + k]), even[m]);
+        odd[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), odd[m]);
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+  }
+  carpool_blocks::store_rows<M>(acc, bias, y, N, group);
+}
+#endif
+
+// x [..., K] (bf16 or float32) @ W.T (+ bias) -> [..., N] of x's dtype, W in the packed 8-bit layout above.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  TORCH_CHECK(!shape.empty(), "q8_linear: x must have a feature dimension");
+  shape.back() = out_features;
+  if (x.numel() == 0) return at::empty(shape, x.options());
+  TORCH_CHECK(has_q8_gemv(x.scalar_type()), "q8_linear: this build has no 8-bit kernel for x of ", x.scalar_type(),
+              " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
+#if defined(__AVX512F__)
+  TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 16 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
+                  qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "q8_linear: qweight must come from replica.quant.blocks.pack_weight");
+  const int64_t K = x.size(-1), rows = x.numel() / K, groups = qweight.size(0), blocks = qweight.size(1);
+  TORCH_CHECK(K == blocks * 32 && groups == (out_features + 15) / 16, "q8_linear: x [..., ", K, "] and out_features ",
+              out_features, " do not match the packed weight ", qweight.sizes());
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({groups, blocks, 16}) && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf,
+              "q8_linear: scales must be fp16 [", groups, ", ", blocks, ", 16]");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, "q8_linear: bias must have ",
+              out_features, " elements");
+  auto x2 = x.reshape({rows, K}).contiguous();
+  auto y = at::empty(shape, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  if (x.scalar_type() == at::kFloat) {
+    const float* xf = x2.data_ptr<float>();
+    float* yf = y.data_ptr<float>();
+    carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+      q8_rows_f32<M>(xf + r0 * K, K, qp, dp, bb, yf + r0 * out_features, out_features, group, blocks);
+    });
+    return y;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const auto* xb = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
+  auto* yb = y.data_ptr<at::BFloat16>();
+  const int64_t pairs = K / 2;
+  carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+    q8_rows<M>(xb + r0 * pairs, pairs, qp, dp, bb, yb + r0 * out_features, out_features, group, blocks);
+  });
+#endif
+#if defined(__AVX512F__)
+  return y;
+#else
+  return at::Tensor();  // not reached: has_q8_gemv is false for every dtype without AVX512F
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(carpool_cpu, m) {
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("has_q8_gemv(ScalarType dtype) -> bool");
+}
+
+TORCH_LIBRARY_IMPL(carpool_cpu, CompositeExplicitAutograd, m) {
+  m.impl("q8_linear", &q8_linear);
+  m.impl("has_q8_gemv", &has_q8_gemv);
+}

@@ -1,0 +1,115 @@
+"""Compute a model's linear layers from its GGUF file's quantized blocks (``--quantization gguf``).
+
+The model itself is built by transformers from the same file (de-quantized: config, norms,
+embeddings; ``replica.config.model_files``). :func:`quantize_from_gguf` then reads each linear
+layer's tensor from the file with the ``gguf`` package, as stored, and routes the layer through
+Carpool's 4-bit or 8-bit kernel (:mod:`replica.quant.blocks`). Tensor names are mapped as transformers' own
+GGUF loader does it (the ``gguf`` package's ``get_tensor_name_map`` for the file's architecture), and the rows of a Llama file's query and key
+projections are put back in transformers' order with its ``LlamaTensorProcessor`` (llama.cpp's
+converter permutes them; a row permutation moves whole blocks, so it applies to the blocks as is).
+
+Types: Q4_0, Q4_1 and Q8_0 go to the kernels; F32, F16 and BF16 layers stay as loaded; any other
+type of a linear layer (K-quants, ...) is refused, naming the tensor and its type. A tied output
+layer (no ``output.weight`` in the file) is computed from the input embedding's tensor where its
+type is one of those (else both stay as loaded: llama.cpp often stores it as Q6_K); where it
+is Q8_0, the input embedding reads its rows from the same packed blocks (:func:`_embed_from_blocks`)
+and its dense copy is released. Each packed layer is checked against the weight transformers
+de-quantized from the same tensor (equal after rounding to the model's dtype), so a wrong name map
+or row order fails at start, not in tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+import types
+
+from replica.quant.blocks import BLOCK_TYPES, dequantize, split_gguf_blocks, use_blocks
+
+logger = logging.getLogger(__name__)
+
+DENSE_TYPES = ("F32", "F16", "BF16")
+# GGUF architectures whose transformers tensor processor leaves linear layers' blocks whole (the
+# default processor: names only) or permutes their rows (llama).
+_ROW_SAFE_PROCESSORS = ("llama",)
+
+
+def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
+    """Route each linear layer of ``model`` stored as Q4_0, Q4_1 or Q8_0 in ``gguf_file`` (and a
+    tied output layer, from the input embedding's tensor) through its kernel; returns how many.
+
+    Raises:
+        ValueError: the file's architecture has a tensor processor that reshapes tensors (MoE
+            experts, fused QKV); a linear layer's tensor has a type the kernel does not read (the
+            message names the tensor and its type); a packed layer disagrees with the weight
+            transformers de-quantized from it.
+    """
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(gguf_file))
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if architecture in TENSOR_PROCESSORS and architecture not in _ROW_SAFE_PROCESSORS:
+        raise ValueError(
+            f"{gguf_file}: quantization gguf does not read {architecture!r} files yet (transformers "
+            f"reshapes their tensors at load); serve it without quantization"
+        )
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ValueError(f"{gguf_file}: the gguf package does not know the architecture {architecture!r}")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    name_map = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    linears = {}  # GGUF tensor name -> (transformers module name, module)
+    for name, module in model.named_modules():
+        gguf_name = name_map.get_name(name) if isinstance(module, torch.nn.Linear) else None
+        if gguf_name is not None:
+            linears[gguf_name + ".weight"] = (name, module)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    if tied and "output.weight" not in tensors and "token_embd.weight" in tensors:
+        linears = {k: v for k, v in linears.items() if v[1] is not head}
+        linears["token_embd.weight"] = (next(n for n, m in model.named_modules() if m is head), head)
+    count = 0
+    for tensor_name, (target, module) in linears.items():
+        tensor = tensors.get(tensor_name)
+        if tensor is None or tensor.tensor_type.name in DENSE_TYPES:
+            continue
+        type_name = tensor.tensor_type.name
+        if type_name not in BLOCK_TYPES and module is head and tied:
+            continue  # the tied head and embedding stay as transformers loaded them (often Q6_K)
+        if type_name not in BLOCK_TYPES:
+            raise ValueError(
+                f"{gguf_file}: tensor {tensor_name} ({target}) is {type_name}; quantization gguf computes "
+                f"{', '.join(BLOCK_TYPES)} layers ({', '.join(DENSE_TYPES)} stay as they are)"
+            )
+        raw = processor.process(weights=tensor.data, name=tensor_name).weights
+        weight = split_gguf_blocks(torch.from_numpy(raw.copy()), type_name)
+        expected = module.weight.detach()
+        if weight.shape != tuple(expected.shape) or not torch.equal(dequantize(weight).to(expected.dtype), expected):
+            raise ValueError(f"{gguf_file}: tensor {tensor_name} does not match {target} as transformers loads it")
+        use_blocks(module, weight)
+        if module is head and tied and weight.bits == 8 and type(embedding) is torch.nn.Embedding:
+            embedding.carpool_q_rows = (module.carpool_q_weight, module.carpool_q_scales)
+            embedding.carpool_dtype = expected.dtype
+            embedding.forward = types.MethodType(_embed_from_blocks, embedding)
+            embedding.weight = torch.nn.Parameter(expected.new_empty(0), requires_grad=False)
+        count += 1
+    logger.info("quantization gguf: %d linear layers computed from %s's blocks", count, Path(gguf_file).name)
+    return count
+
+
+def _embed_from_blocks(self: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding of a tied model whose output layer reads Q8_0 blocks, from those blocks:
+    token ``t``'s row is output ``t`` of the packed weight (``[G, B, 16, 16, 2]``: group ``t // 16``,
+    lane ``t % 16``, its ``B x 32`` signed bytes in ascending k) times its blocks' scales, computed in float32
+    and rounded to the model's dtype: the values transformers de-quantized. ``input_ids`` ``[...]``
+    (ids below V: the engine checks them) -> ``[..., K]``."""
+    qweight, scales = self.carpool_q_rows
+    group, lane = input_ids // 16, input_ids % 16
+    q = qweight[group, :, :, lane, :].reshape(*input_ids.shape, -1, 32).view(torch.int8)  # [..., B, 32]
+    d = scales[group, :, lane].float().unsqueeze(-1)  # [..., B, 1]
+    return (d * q.float()).reshape(*input_ids.shape, -1).to(self.carpool_dtype)
