@@ -266,7 +266,7 @@ def compile_decoder(model: torch.nn.Module) -> None:
     Callers mark the step's varying sizes dynamic (:func:`mark_step_dynamic`) and keep them at 2 or
     more, so that one graph serves every decode-like step and one every other step.
 
-    Dynamo's guards on the modules' attributes are dropped
+    On CPU, dynamo's guards on the modules' attributes are dropped
     (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): checking them before every step
     cost about a quarter of what the linear layers of a one-row 4-bit step cost
     (``docs/bench/quantized-cpu.md``, "Where the step's time goes"). Two things make that safe:
@@ -281,11 +281,18 @@ def compile_decoder(model: torch.nn.Module) -> None:
     * every attribute the compiled modules read (packed weights, KV caches, LoRA slots, forwards)
       is set before the first step, and afterwards only tensors' contents change, in place (LoRA
       slots: ``replica.lora.slots.repack_linear``). The guards on the step's inputs stay.
+
+    On CUDA the decoder is compiled as before (``nn.Module.compile``, every guard): decode steps
+    replay CUDA graphs there, which check no guards, and no GPU has run the decoder as one
+    ``fullgraph`` graph yet.
     """
     import torch._inductor.config
 
     torch._inductor.config.size_asserts = False
     decoder = model.get_decoder()
+    if model.device.type != "cpu":  # CUDA: not run with the guards dropped yet (see above)
+        decoder.compile()
+        return
     compiled = torch.compile(
         _own_code(), fullgraph=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     )
