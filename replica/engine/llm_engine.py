@@ -97,6 +97,10 @@ class LLMEngine(EngineReporting):
             ", ".join(f"{key}={value:.2f}" if isinstance(value, float) else f"{key}={value}"
                       for key, value in self.warm_up_report.items()),
         )
+        if self.runner.device.type == "cpu":
+            from replica.kernels.cpu_kernels import dispatch_summary
+
+            logger.info("CPU kernels: %s", dispatch_summary())
         self.eos_token_ids = eos_token_ids(self.runner.model, self.tokenizer)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, on_compile=metrics.on_grammar_compiled if metrics is not None else None

@@ -92,6 +92,31 @@ def has_block_gemv(dtype: torch.dtype = torch.bfloat16) -> bool:
     return available() and torch.ops.carpool_cpu.has_q4_gemv(dtype) and torch.ops.carpool_cpu.has_q8_gemv(dtype)
 
 
+_DISPATCH_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16")
+
+
+def dispatch_summary() -> str:
+    """One line for logs and benchmark headers: the instruction sets of this CPU that Carpool's
+    kernels dispatch on (from /proc/cpuinfo) and the linear kernels built for them, e.g.
+    ``avx2 fma avx512f avx512bw avx512_bf16 | linears: bf16 (vdpbf16ps), f32 (fma) | GGUF blocks:
+    bf16, f32`` (``none`` where a kind is not built; ``kernels not built`` before or without
+    :func:`load`)."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    cpu = " ".join(f for f in _DISPATCH_FLAGS if f in flags) or "no x86 flags read"
+    if not available():
+        return f"{cpu} | kernels not built"
+    linears = [name for name, ok in (("bf16 (vdpbf16ps)", has_bf16_gemv()), ("f32 (fma)", has_f32_gemv())) if ok]
+    blocks = [name for name, dtype in (("bf16", torch.bfloat16), ("f32", torch.float32)) if has_block_gemv(dtype)]
+    return f"{cpu} | linears: {', '.join(linears) or 'none'} | GGUF blocks: {', '.join(blocks) or 'none'}"
+
+
 def has_bf16_gemv() -> bool:
     """Whether Carpool's bf16 linear kernel is built (the CPU has AVX512-BF16)."""
     return available() and torch.ops.carpool_cpu.has_bf16_gemv()

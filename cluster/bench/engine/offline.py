@@ -130,6 +130,7 @@ def offline_main(
     import torch
 
     from replica import LLM
+    from replica.kernels.cpu_kernels import dispatch_summary
 
     engine_kwargs = bench_engine_kwargs(
         model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -151,6 +152,7 @@ def offline_main(
         "dtype": info.dtype,
         "device": device,
         "threads": torch.get_num_threads(),
+        **({"cpu_kernels": dispatch_summary()} if device == "cpu" else {}),
         "tensor_parallel_size": tensor_parallel_size,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
@@ -277,6 +279,8 @@ def _print_table(results: list[RunResult], summary: dict, out: TextIO) -> None:
         f"{', async scheduling' if summary.get('async_scheduling') else ''})",
         file=out,
     )
+    if summary.get("cpu_kernels"):
+        print(f"CPU kernels: {summary['cpu_kernels']}", file=out)
     header = f"{'run':<25}{'tokens':>8}{'wall s':>9}{'steps':>7}{'tok/s':>9}{'vs carpool':>12}{'lat mean':>10}{'p50':>8}{'p90':>8}{'p99':>8}"
     print(header, file=out)
     print("-" * len(header), file=out)

@@ -111,6 +111,11 @@ def profile_main(
     }
     if speculative_config is not None:
         result["spec_decode"] = sd.engine_counters(engine)
+    if not on_cuda:
+        from replica.kernels.cpu_kernels import dispatch_summary
+
+        result["cpu_kernels"] = dispatch_summary()
+        print(f"CPU kernels: {result['cpu_kernels']}")
     print(f"{running} requests running; {wall_ms:.2f} ms per step under the profiler")
     if on_cuda:  # kernel time: when it is far below the step's wall time, the host is the bound
         kernels = sorted(
