@@ -39,6 +39,19 @@ void for_each_row_block(int64_t groups, int64_t rows, F&& f) {
 }
 
 #if defined(__AVX512F__)
+// The end of block b for M rows: acc[m] += d * (even[m] + odd[m]), then, with minimums (Q4_1),
+// acc[m] += m * xsum[m, b]; d and m are the group's 16 fp16 values for the block (d_block, m_block).
+template <int M>
+void add_block(__m512* acc, const __m512* even, const __m512* odd, const uint16_t* d_block, const uint16_t* m_block,
+               const float* xsum, int64_t blocks, int64_t b) {
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_block)));
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+  if (m_block) {
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_block)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
+  }
+}
+
 inline __mmask16 group_mask(int64_t N, int64_t group) {
   const int64_t left = N - group * 16;
   return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);

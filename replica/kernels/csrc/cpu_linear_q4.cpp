@@ -84,12 +84,7 @@ void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict x
         odd[m] = _mm512_fmadd_ps(w[3], _mm512_set1_ps(x[m * K + k + 3]), odd[m]);
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
-    if (mg) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
-    }
+    carpool_blocks::add_block<M>(acc, even, odd, dg + b * 16, mg ? mg + b * 16 : nullptr, xsum, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }
@@ -124,12 +119,7 @@ void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restric
         odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x[m * pairs + p + 1]));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
-    if (mg) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
-    }
+    carpool_blocks::add_block<M>(acc, even, odd, dg + b * 16, mg ? mg + b * 16 : nullptr, xsum, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }

@@ -69,8 +69,7 @@ void q8_rows(const uint32_t* __restrict x, int64_t pairs, const uint8_t* __restr
         odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x[m * pairs + b * 16 + p + 1]));
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    carpool_blocks::add_block<M>(acc, even, odd, dg + b * 16, nullptr, nullptr, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }
@@ -100,8 +99,7 @@ void q8_rows_f32(const float* __restrict x, int64_t K, const uint8_t* __restrict
         odd[m] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[m * K + k + 1]), odd[m]);
       }
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
+    carpool_blocks::add_block<M>(acc, even, odd, dg + b * 16, nullptr, nullptr, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }
