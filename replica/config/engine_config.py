@@ -255,6 +255,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.quantization == "gguf" and DTYPE_NAMES[self.dtype] == "float16":
+            raise ValueError("quantization gguf computes with bfloat16 or float32 activations, not float16")
         if self.quantization == "gguf" and (self.device != "cpu" or self.tensor_parallel_size > 1):
             raise ValueError(
                 "quantization gguf runs on device cpu at tensor_parallel_size 1 for now "

@@ -54,8 +54,8 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model folder {model!r} has no config.json")
         return model
-    if model.endswith(".gguf") and os.path.isfile(model):
-        return _convert_gguf(Path(model), _gguf_cache_name(Path(model)))
+    if model.endswith(".gguf"):
+        return _convert_gguf(_gguf_path(model), _gguf_cache_name(Path(model)))
     hub_error: Exception | None = None
     try:
         from huggingface_hub import snapshot_download
@@ -95,14 +95,21 @@ def resolve_gguf_model(model: str) -> tuple[str, Path]:
     Raises:
         ValueError: ``model`` is neither a ``.gguf`` file nor a packaged id; the package is missing.
     """
-    if model.endswith(".gguf") and os.path.isfile(model):
-        return _convert_gguf(Path(model), _gguf_cache_name(Path(model))), Path(model)
+    if model.endswith(".gguf"):
+        return _convert_gguf(_gguf_path(model), _gguf_cache_name(Path(model))), Path(model)
     if model in _PACKAGED_MODELS:
         return _convert_packaged_model(model), packaged_gguf_path(model)
     raise ValueError(
         f"quantization gguf needs a GGUF model: a .gguf file, or one of {sorted(_PACKAGED_MODELS)} (from its "
         f"package); {model!r} is neither"
     )
+
+
+def _gguf_path(model: str) -> Path:
+    """``model`` (a name ending in ``.gguf``) as a file path; ``ValueError`` if no such file."""
+    if not os.path.isfile(model):
+        raise ValueError(f"model {model!r}: no such GGUF file")
+    return Path(model)
 
 
 def _gguf_cache_name(path: Path) -> str:
@@ -121,7 +128,12 @@ def _convert_packaged_model(model: str) -> str:
 
 def _convert_gguf(gguf: Path, name: str) -> str:
     """Convert ``gguf`` once into a safetensors folder ``<cache>/models/<name>`` (float32
-    de-quantized weights, config, tokenizer) and return it."""
+    de-quantized weights, config, tokenizer) and return it.
+
+    Raises:
+        ValueError: transformers cannot read the file (empty, truncated, an architecture it does
+            not know); the message names the file and what failed.
+    """
     target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return str(target)
@@ -135,10 +147,11 @@ def _convert_gguf(gguf: Path, name: str) -> str:
         logger.info("converting %s into %s (once)", gguf, target)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype="float32"
-            )
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+            except Exception as exc:  # struct.error, reshape errors, KeyError: a damaged or unknown file
+                raise ValueError(f"{gguf}: not a GGUF model transformers can read ({type(exc).__name__}: {exc})") from exc
             # The weights are already de-quantized in memory; drop the GGUF marker so that
             # transformers saves (and later loads) them as an ordinary checkpoint.
             hf_model.hf_quantizer = None

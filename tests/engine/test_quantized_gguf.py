@@ -80,6 +80,8 @@ def test_kernel_computes_the_blocks_weights_and_a_row_never_depends_on_its_batch
     for rows in (2, 8, 9, 17, 37):
         assert torch.equal(run(x[:rows]), alone[:rows]), rows
     assert run(x[:0]).shape == (0, 40)
+    with pytest.raises(RuntimeError, match="do not match the packed weight"):
+        run(x[:, :0])  # rows without features: not this weight's K
     with pytest.raises(RuntimeError, match="kernel for x of Half"):
         run(x.half())
 
@@ -191,6 +193,20 @@ def test_a_gguf_file_is_a_model_and_the_packaged_file_is_preferred():
         resolve_gguf_model("Qwen/Qwen2.5-0.5B")
 
 
+def test_missing_empty_and_truncated_gguf_files_are_refused_by_name(tmp_path):
+    from replica.config.engine_config import DEFAULT_MODEL
+    from replica.config.model_files import packaged_gguf_path, resolve_gguf_model, resolve_model_path
+
+    with pytest.raises(ValueError, match="no such GGUF file"):
+        resolve_model_path(str(tmp_path / "nope.gguf"))
+    (tmp_path / "empty.gguf").touch()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(packaged_gguf_path(DEFAULT_MODEL).read_bytes()[:1_000_000])
+    for path in (tmp_path / "empty.gguf", truncated):
+        with pytest.raises(ValueError, match=rf"{path}: not a GGUF model transformers can read"):
+            resolve_gguf_model(str(path))
+
+
 def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):
     from replica.config.engine_config import EngineConfig
     from replica.engine.llm_engine import LLMEngine
@@ -199,6 +215,8 @@ def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):
         EngineConfig(quantization="gguf", device="cuda")
     with pytest.raises(ValueError, match="Input should be 'gguf'"):
         EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="bfloat16 or float32 activations, not float16"):
+        EngineConfig(quantization="gguf", dtype="half")
     with pytest.raises(ValueError, match="needs a GGUF model"):
         LLMEngine(EngineConfig(model=tiny_llama, quantization="gguf", **ON_TEST_DEVICE))
 

@@ -132,7 +132,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   TORCH_CHECK(!shape.empty(), "q4_linear: x must have a feature dimension");
   shape.back() = out_features;
-  if (x.numel() == 0) return at::empty(shape, x.options());
+  if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
   TORCH_CHECK(has_q4_gemv(x.scalar_type()), "q4_linear: this build has no 4-bit kernel for x of ", x.scalar_type(),
               " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
 #if defined(__AVX512F__)

@@ -111,7 +111,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   TORCH_CHECK(!shape.empty(), "q8_linear: x must have a feature dimension");
   shape.back() = out_features;
-  if (x.numel() == 0) return at::empty(shape, x.options());
+  if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
   TORCH_CHECK(has_q8_gemv(x.scalar_type()), "q8_linear: this build has no 8-bit kernel for x of ", x.scalar_type(),
               " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
 #if defined(__AVX512F__)
