@@ -54,15 +54,21 @@ def cpu_tag() -> str:
     import hashlib
     import platform
 
-    flags = platform.machine() + platform.processor()
+    flags = _cpu_flags()
+    text = " ".join(sorted(flags)) if flags is not None else platform.machine() + platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _cpu_flags() -> set[str] | None:
+    """The first ``flags`` (x86) or ``Features`` (Arm) line of /proc/cpuinfo, as a set; None
+    where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):  # x86, Arm
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+    return None
 
 
 def build_tag() -> str:
@@ -101,14 +107,7 @@ def dispatch_summary() -> str:
     ``avx2 fma avx512f avx512bw avx512_bf16 | linears: bf16 (vdpbf16ps), f32 (fma) | GGUF blocks:
     bf16, f32`` (``none`` where a kind is not built; ``kernels not built`` before or without
     :func:`load`)."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = _cpu_flags() or set()
     cpu = " ".join(f for f in _DISPATCH_FLAGS if f in flags) or "no x86 flags read"
     if not available():
         return f"{cpu} | kernels not built"
