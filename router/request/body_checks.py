@@ -15,6 +15,7 @@ from typing import Any
 
 from replica.protocol.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from router.config import IngressConfig
+from router.request.chat_flags import chat_flags
 from router.request.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
 
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
@@ -113,18 +114,7 @@ class BodyChecks:
                 "send max_completion_tokens only (max_tokens is its deprecated name)",
                 param="max_tokens", code="invalid_value",
             )
-        if body.continue_final_message:
-            if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
-                raise OpenAIError(
-                    "continue_final_message and add_generation_prompt cannot both be true: the first continues the "
-                    "last assistant message, the second starts a new one",
-                    param="continue_final_message", code="invalid_value",
-                )
-            if body.messages[-1].role != "assistant":
-                raise OpenAIError(
-                    f"continue_final_message needs the last message to be the assistant's, got {body.messages[-1].role!r}",
-                    param="continue_final_message", code="invalid_value",
-                )
+        chat_flags(body)  # vLLM's rules for add_generation_prompt, continue_final_message and echo
         if body.top_logprobs is not None and body.top_logprobs > self.config.max_logprobs:
             raise OpenAIError(
                 f"top_logprobs: must be at most {self.config.max_logprobs}, got {body.top_logprobs}",

@@ -29,6 +29,7 @@ from replica.protocol.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams,
 from replica.protocol.slo import LatencyTargets
 from router.config import IngressConfig
 from router.request.body_checks import parse_logit_bias
+from router.request.chat_flags import chat_flags, template_variables
 from router.request.chat_template import ChatEncoder
 from router.request.errors import request_error, sampling_error
 from router.request.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
@@ -67,6 +68,8 @@ class Prepared:
         block_size: tokens per KV block of the replicas (the routing hints' prefix hashes).
         priority: every choice's scheduling priority (vLLM's: lower runs first; 0 by default).
         slo: every choice's latency targets (``router/request/slo_headers.py``), or None.
+        reply_role: a chat reply's ``role`` (:mod:`router.request.chat_flags`).
+        echo_text: what ``echo`` puts before each chat choice's text (``""``: nothing).
     """
 
     def __init__(
@@ -85,6 +88,8 @@ class Prepared:
         self.lora_request: LoRARequest | None = None
         self.priority = 0
         self.slo: LatencyTargets | None = None
+        self.reply_role = "assistant"
+        self.echo_text = ""
         self._routing: dict[int, RoutingHints] = {}  # per prompt index, computed on first use
 
     def envelope(self, index: int, prompt_index: int, params: SamplingParams) -> RequestEnvelope:
@@ -199,6 +204,8 @@ class RequestPreparer:
             constraint=constraint, lora_request=lora_request,
         )
         prepared.tool_plan, prepared.tool_parser = plan, self.tool_templates.parser
+        flags = chat_flags(body)
+        prepared.reply_role, prepared.echo_text = flags.role, flags.echo_text
         return prepared
 
     @staticmethod
@@ -249,7 +256,8 @@ class RequestPreparer:
                 ``apply_chat_template`` or the rendering takes itself, the template fails, the text is too long, or
                 it holds control-token text the template cannot keep as plain text.
         """
-        kwargs = dict(body.chat_template_kwargs or {})
+        flags = chat_flags(body)
+        kwargs = template_variables(body.chat_template_kwargs or {})
         if "chat_template" in kwargs:
             raise OpenAIError(
                 "chat_template_kwargs.chat_template is not accepted: the server applies the model's own chat template",
@@ -258,7 +266,7 @@ class RequestPreparer:
         if clash := sorted(self._reserved_template_kwargs & kwargs.keys()):
             raise OpenAIError(
                 f"chat_template_kwargs.{clash[0]} is not accepted: the server sets it (use the request's own fields, "
-                "such as add_generation_prompt and continue_final_message)",
+                "such as tools)",
                 param="chat_template_kwargs", code="invalid_value",
             )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -277,8 +285,8 @@ class RequestPreparer:
             return self.tokenizer.apply_chat_template(
                 chat,
                 tokenize=False,
-                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message,
+                add_generation_prompt=flags.add_generation_prompt,
+                continue_final_message=flags.continue_final_message,
                 **template,
                 **template_kwargs,
             )

@@ -242,6 +242,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    echo: StrictBool = Field(
+        False, description="vLLM's extra: the reply starts with the last message's content when that message has the reply's role.",
+    )
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = Field(None, description="Functions the model may call: [{'type': 'function', 'function': {'name', 'description', 'parameters'}}].")
     tool_choice: Any = Field(

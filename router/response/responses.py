@@ -145,13 +145,15 @@ class ResponseFormatter:
         plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
         out = []
         for c in choices:
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+            message: dict[str, Any] = {"role": prepared.reply_role, "content": "".join(c.text)}
             finish_reason = c.finish_reason
             if plan is not None:
                 message["content"], calls = parse_reply(message["content"], plan, prepared.tool_parser)
                 if calls:
                     message["tool_calls"] = calls
                     finish_reason = _tool_finish(plan.mode, finish_reason)
+            if prepared.echo_text:  # vLLM's echo: the prefilled turn, then the reply
+                message["content"] = prepared.echo_text + (message["content"] or "")
             out.append(
                 {
                     "index": c.index,
@@ -225,12 +227,17 @@ class ResponseFormatter:
         deltas: AsyncIterator[tuple[int, EngineOutput]],
         on_close: Callable[[], None],
     ) -> AsyncIterator[dict[str, Any]]:
-        """The ``chat.completion.chunk`` events of ``deltas``: first each choice's role, then as
-        :meth:`completion_events`."""
+        """The ``chat.completion.chunk`` events of ``deltas``: first each choice's role, then its
+        echoed text (``echo``, :mod:`router.request.chat_flags`), then as :meth:`completion_events`."""
         opening = [
-            [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            [{"index": index, "delta": {"role": prepared.reply_role, "content": ""}, "logprobs": None, "finish_reason": None}]
             for index, _, _, _ in prepared.jobs()
         ]
+        if prepared.echo_text:
+            opening += [
+                [{"index": index, "delta": {"content": prepared.echo_text}, "logprobs": None, "finish_reason": None}]
+                for index, _, _, _ in prepared.jobs()
+            ]
 
         plan = prepared.tool_plan if prepared.tool_plan is not None and prepared.tool_plan.mode != "none" else None
         tool_streams = {index: ToolCallStream(plan, prepared.tool_parser) for index, _, _, _ in prepared.jobs()} if plan else {}

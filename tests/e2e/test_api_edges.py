@@ -190,7 +190,8 @@ CONTRADICTIONS = [
     ("max_tokens and max_completion_tokens disagree", "/chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 5}, "max_tokens"),
     ("continue_final_message with add_generation_prompt", "/chat/completions",
      {"messages": [*CHAT, {"role": "assistant", "content": "Hel"}], "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
-    ("continue_final_message after a user turn", "/chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("continue_final_message with add_generation_prompt left at its default", "/chat/completions",
+     {"messages": [*CHAT, {"role": "assistant", "content": "Hel"}], "continue_final_message": True}, "continue_final_message"),
     ("stop_token_ids outside the vocabulary", "/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("prompt_logprobs above the cap", "/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("max_tokens 0 on chat", "/chat/completions", {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
@@ -203,14 +204,47 @@ def test_contradicting_parameters_get_a_400_naming_the_field(served, name, path,
 
 
 def test_consistent_neighbours_of_those_pairs_are_served(served):
-    """The accepted sides of each pair: equal max_tokens names, continue_final_message alone."""
+    """The accepted sides of each pair: equal max_tokens names, continue_final_message with
+    add_generation_prompt false (after a user turn too, as vLLM)."""
     ok = [
         ("/completions", {"prompt": "1\n2\n3\n", "max_tokens": 10, "min_tokens": 10, "ignore_eos": True}),
         ("/chat/completions", {"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 3}),
-        ("/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "Hel"}], "continue_final_message": True, "max_tokens": 2}),
+        ("/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "Hel"}], "continue_final_message": True,
+                               "add_generation_prompt": False, "max_tokens": 2}),
+        ("/chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 2}),
         ("/completions", {"prompt": "x", "n": 2, "best_of": 2, "max_tokens": 2}),
     ]
     for path, body in ok:
         r = post(served, path, body)
         assert r.status_code == 200, (body, r.text)
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+# ---- 5. chat continuation: vLLM's echo, continue_final_message, add_generation_prompt ---------------
+PREFILL = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+@pytest.mark.parametrize("flags", [CONTINUE, {}], ids=["continued", "new turn"])
+def test_echo_returns_the_prefilled_turn_first_streamed_and_not(served, flags):
+    """With echo, the reply is the prefilled assistant text then what the model adds (the same
+    tokens as without echo); streamed, the prefill is each choice's first content delta."""
+    client, prefill = served.client, PREFILL[-1]["content"]
+    args = {"model": served.model, "messages": PREFILL, "max_tokens": 5, "temperature": 0}
+    plain = client.chat.completions.create(**args, extra_body=flags).choices[0].message
+    echoed = client.chat.completions.create(**args, extra_body={**flags, "echo": True}).choices[0].message
+    assert echoed.role == plain.role == "assistant"
+    assert echoed.content == prefill + plain.content
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**args, stream=True, extra_body={**flags, "echo": True}) if c.choices]
+    assert deltas[0].role == "assistant" and deltas[1].content == prefill
+    assert "".join(d.content or "" for d in deltas) == echoed.content
+
+
+def test_without_a_generation_prompt_the_reply_takes_the_last_role(served):
+    """vLLM's role rule: no generation prompt, so the reply continues (and echoes) the user's turn."""
+    r = post(served, "/chat/completions", {"messages": CHAT, **CONTINUE, "echo": True, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith(CHAT[-1]["content"])
+    closed = post(served, "/chat/completions", {"messages": PREFILL, "add_generation_prompt": False, "echo": True, "max_tokens": 2})
+    assert closed.status_code == 200 and closed.json()["choices"][0]["message"]["content"].startswith(PREFILL[-1]["content"])

@@ -419,7 +419,7 @@ def bodies(mode: str):
     if mode != "valid":
         chat_extra |= {
             "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(-1, 25)),
-            "continue_final_message": field(st.booleans()),
+            "continue_final_message": field(st.booleans()), "echo": field(st.booleans()),
             "chat_template_kwargs": field(st.dictionaries(st.text(max_size=5), json_leaf, max_size=2)),
             "tools": field(st.just([TOOL]), st.lists(st.one_of(junk, st.just(TOOL)), max_size=2)),
             "tool_choice": field(

@@ -34,7 +34,7 @@ def prompt_ids(tokenizer, messages, **body) -> list[int]:
 
 def render(tokenizer, messages, **body) -> str:
     cont = body.get("continue_final_message", False)
-    gen = body.get("add_generation_prompt", True) and not cont
+    gen = body.get("add_generation_prompt", True)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, continue_final_message=cont)
 
 
@@ -79,7 +79,7 @@ def chatml(content_expr: str, prefix: str = "") -> str:
     ([{"role": "user", "content": "Name three colors."}], {}),
     ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <| im_end |> <|im_"}], {}),
     ([{"role": "user", "content": "Héllo 😀\n\n  spaces "}, {"role": "assistant", "content": "Yes"}], {"add_generation_prompt": False}),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}], {"continue_final_message": True}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}], {"continue_final_message": True, "add_generation_prompt": False}),
     ([{"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}], {}),
 ])
 def test_benign_chats_give_exactly_the_old_ids(tok, messages, body):
