@@ -22,7 +22,7 @@ from cluster.config import ServeConfig
 from cluster.preflight import check_tensor_parallel, free_port, listen_problem
 
 __all__ = [
-    "INGRESS_DEPLOYMENT", "LORA_REGISTRY_DEPLOYMENT", "REPLICA_DEPLOYMENT", "SERVE_ENV", "app_builder", "apply_serve_env",
+    "INGRESS_DEPLOYMENT", "LORA_REGISTRY_DEPLOYMENT", "REPLICA_DEPLOYMENT", "RESPONSE_STORE_DEPLOYMENT", "SERVE_ENV", "app_builder", "apply_serve_env",
     "base_url", "build_app", "check_lora_modules", "check_tensor_parallel", "direct_ingress_env", "free_port",
     "listen_problem", "replica_deployment_options", "replicas_for_resources", "resolve_replicas", "run", "start_ray",
     "uses_direct_ingress",
@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 REPLICA_DEPLOYMENT = "LLMReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 LORA_REGISTRY_DEPLOYMENT = "LoRARegistry"
+RESPONSE_STORE_DEPLOYMENT = "ResponseStore"
 GRACEFUL_SHUTDOWN_WAIT_LOOP_S = 0.2
 """How often (seconds) a stopping replica or ingress checks for requests still running. Serve's
 default, 2 s, is also the least time any replica takes to stop, even an idle one: each redeploy,
@@ -218,7 +219,10 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         a ``ray.serve.Application`` for ``serve.run``. Its deployments are named ``LLMReplica``
         and ``OpenAIIngress``, the names a Serve config's ``deployments`` entries refer to, and,
         with ``engine.enable_lora``, ``LoRARegistry`` (one replica holding the served adapters'
-        names and folders for every ingress replica: ``router/lora/lora_registry.py``).
+        names and folders for every ingress replica: ``router/lora/lora_registry.py``), and, with
+        ``response_store: serve`` (the default), ``ResponseStore`` (one replica holding the stored
+        responses of ``/v1/responses`` for every ingress replica:
+        ``router/responses/store_deployment.py``).
     """
     from ray import serve
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
@@ -226,6 +230,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
     from replica.serve import LLMReplica
     from router.ingress import OpenAIIngress
     from router.lora.lora_registry import LoRARegistry
+    from router.responses.store_deployment import ResponseStoreDeployment
     from router.request.errors import RETRY_AFTER_S
     from router.routing.policy import CarpoolRequestRouter
 
@@ -256,6 +261,17 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
             graceful_shutdown_timeout_s=1.0,
             graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
         ).bind(config.lora_modules)
+    store = None
+    if config.response_store == "serve":
+        store = serve.deployment(
+            ResponseStoreDeployment,
+            name=RESPONSE_STORE_DEPLOYMENT,
+            num_replicas=1,  # one owner of the stored responses, for every ingress replica
+            max_ongoing_requests=4096,
+            ray_actor_options={"num_cpus": 0},
+            graceful_shutdown_timeout_s=1.0,
+            graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
+        ).bind(config.response_store_max_bytes, config.response_store_ttl_s)
     ingress = serve.deployment(
         OpenAIIngress,
         name=INGRESS_DEPLOYMENT,
@@ -268,7 +284,7 @@ def build_app(config: ServeConfig, num_replicas: int | None = None):
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=5.0,
         graceful_shutdown_wait_loop_s=GRACEFUL_SHUTDOWN_WAIT_LOOP_S,
-    ).bind(replica, config.ingress_fields(), engine.model_dump(), registry)
+    ).bind(replica, config.ingress_fields(), engine.model_dump(), registry, store)
     return ingress
 
 

@@ -111,6 +111,26 @@ class IngressConfig(BaseModel):
         ),
     )
 
+    # ---- the Responses API's store (docs/responses.md) ----
+    response_store: str = Field(
+        "serve",
+        description=(
+            "Where POST /v1/responses keeps stored responses: 'serve' (a ResponseStore deployment of the "
+            "application, in memory, shared by every ingress replica), 'none' (nothing is stored), or "
+            "'module:Class', an external store built as Class(**response_store_options)."
+        ),
+    )
+    response_store_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of an external response_store's class."
+    )
+    response_store_max_bytes: int = Field(
+        256 * 2**20, ge=1024,
+        description="Bytes of stored responses the 'serve' store holds at most; the least recently used go first.",
+    )
+    response_store_ttl_s: float = Field(
+        30 * 86400.0, gt=0, description="Seconds a stored response is kept after it was made (OpenAI keeps them 30 days).",
+    )
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _modules_as_mapping(cls, value: Any) -> Any:
@@ -138,6 +158,14 @@ class IngressConfig(BaseModel):
         if any(not d for d in value):
             raise ValueError("a directory is an empty string")
         return [os.path.abspath(os.path.expanduser(d)) for d in value]
+
+    @field_validator("response_store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        module, sep, name = value.partition(":")
+        if value not in ("serve", "none") and not (sep and module and name.isidentifier()):
+            raise ValueError("must be 'serve', 'none' or 'module:Class'")
+        return value
 
     @field_validator("tool_call_parser")
     @classmethod

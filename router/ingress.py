@@ -1,7 +1,8 @@
 """The HTTP ingress: an OpenAI-compatible API (FastAPI) deployed on Ray Serve.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
+``GET /v1/models/{id}``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``
+(:mod:`router.responses`), ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
 ``GET /health``, ``GET /metrics``. A request's ``model`` is the served model or one of its LoRA
 adapters (:mod:`router.lora.adapters`; the adapter travels with each replica request). Each request is validated (pydantic
 models in :mod:`router.request.protocol`), its chat template applied and its prompt tokenized **once, here**; the
@@ -62,10 +63,15 @@ from router.request.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
+    OpenAIError,
     UnloadLoRAAdapterRequest,
 )
 from router.request.slo_headers import latency_targets
 from router.response.responses import EventStream, ResponseFormatter, sse_frames
+from router.responses import events as response_events
+from router.responses.api import ResponsesAPI, responses_error
+from router.responses.protocol import ResponsesRequest
+from router.responses.store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +92,13 @@ class OpenAIIngress:
             fields); the ingress reads ``model``, ``tokenizer`` and ``max_num_seqs``.
         lora_registry: handle of the :class:`~router.lora.lora_registry.LoRARegistry` deployment when
             LoRA is on (``enable_lora``), else None.
+        response_store: handle of the ``ResponseStore`` deployment
+            (:mod:`router.responses.store_deployment`) when ``response_store`` is ``serve``, else None.
     """
 
     def __init__(
         self, replica: DeploymentHandle, config: dict[str, Any], engine: dict[str, Any],
-        lora_registry: Optional[DeploymentHandle] = None,
+        lora_registry: Optional[DeploymentHandle] = None, response_store: Optional[DeploymentHandle] = None,
     ) -> None:
         from replica.config import load_tokenizer, resolve_model_path
         from replica.serve import log_through_serve, replica_id, serve_app_name
@@ -111,6 +119,8 @@ class OpenAIIngress:
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
         self.fanout = Fanout(replica, self.replicas, DeltaReceiver() if self.config.batched_deltas else None)
         self.responses = ResponseFormatter(self.tokenizer)
+        store = open_store(self.config.response_store, self.config.response_store_options, response_store)
+        self.responses_api = ResponsesAPI(store, self.model_name, self.config.response_store_max_bytes)
         reuse_address_for_direct_ingress()  # before Serve starts this replica's HTTP server
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -244,6 +254,43 @@ class OpenAIIngress:
             events = self.responses.chat_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
             return self._sse(events, streams)
         return self.responses.chat_body(prepared, body, await self.fanout.run_all(prepared))
+
+    @app.post("/v1/responses")
+    async def create_response(self, body: ResponsesRequest, http: Request):
+        """OpenAI's Responses API (:mod:`router.responses.api`): the request runs as a chat
+        request (the checks, preparation and fan-out of ``/v1/chat/completions``); one JSON
+        response object, or typed server-sent events with ``stream``; stored unless ``store`` is
+        false. Latency targets come from the headers."""
+        slo = latency_targets(http.headers)
+        self.fanout.admit()
+        turn = await self.responses_api.begin(body)
+        try:
+            lora = await self.adapters.lora_request(turn.chat.model)
+            choices, param = self.checks.check_chat(turn.chat)
+            await self.replicas.check_available()
+            await self.replicas.check_capacity(choices, param)
+            prepared = await self.preparer.chat(turn.chat, await self.replicas.model_info(), lora)
+        except OpenAIError as exc:
+            raise responses_error(exc, turn.origins) from None
+        prepared.slo = slo
+        turn.model = prepared.model
+        if body.stream:
+            streams = await self.fanout.open_streams(prepared)
+            chunks = self.responses.chat_events(prepared, turn.chat, self.fanout.deltas(streams), lambda: cancel_all(streams))
+            frames = response_events.sse_frames(self.responses_api.events(turn, chunks))
+            return EventStream(self.fanout.counted(frames), on_close=lambda: cancel_all(streams))
+        chat = self.responses.chat_body(prepared, turn.chat, await self.fanout.run_all(prepared))
+        return await self.responses_api.finish(turn, chat)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str) -> dict[str, Any]:
+        """A stored response; 404 when it is not stored (never, deleted, expired or evicted)."""
+        return await self.responses_api.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        """Forget a stored response: ``{"id", "object": "response", "deleted": true}``; 404 when not stored."""
+        return await self.responses_api.delete(response_id)
 
     def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[ChoiceStream]) -> EventStream:
         """The streamed response of ``events``, counted in flight while it runs; every replica

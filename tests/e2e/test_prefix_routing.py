@@ -27,6 +27,12 @@ routing's (unless load-only happened to come within 5 % of its own best possible
 nothing to beat); with cache-aware routing
 each replica served between 40 % and 60 % of the requests; at the end every KV block is free
 (cached or not) and each replica passes its integrity check.
+
+On the cache-aware app, after that workload, the Responses API's follow-ups
+(``tests/e2e/responses_conversation.py``, asserted in :func:`check_responses_conversation`):
+three turns by ``previous_response_id`` on one replica, each finding >= 90 % of the earlier turns'
+tokens in the prefix cache, the third's time to first token at most half that of its history sent
+cold, and the stored responses read back after that replica is killed.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.e2e import responses_conversation
 from tests.e2e.conftest import run_script
 
 SCRIPT_TIMEOUT_S = 400  # under the e2e limit; 132 s here beside another test file, 94 s alone
@@ -221,6 +228,10 @@ def run_mode(prefix_aware: bool, port: int, tokenizer) -> dict:
         sent = asyncio.run(run_conversations(base_url, config.model_name, tokenizer))
         workload_s = time.monotonic() - started
         stats = wait_idle_and_intact(actors)
+        responses = None
+        if prefix_aware:  # the Responses API's follow-ups on this app (tests/e2e/responses_conversation.py)
+            opening = first_question(NUM_CONVERSATIONS) + " " + first_question(NUM_CONVERSATIONS + 1)
+            responses = responses_conversation.run(base_url, config.model_name, actors, opening, wait_idle_and_intact)
     finally:
         serve.delete(name)
     return {
@@ -236,6 +247,7 @@ def run_mode(prefix_aware: bool, port: int, tokenizer) -> dict:
             for s in stats
         ],
         "requests": sent,
+        "responses": responses,
     }
 
 
@@ -333,6 +345,25 @@ def test_cache_aware_routing_keeps_multi_turn_hits_on_2_nodes(tmp_path):
     # (A clean CI run of 2026-12-05 had load-only at 0.948 of its best and cache-aware at 0.938.)
     seat_only_at_ceiling = seat_only["hit_rate"] >= 0.93 * seat_only["best"]["hit_rate"]
     assert aware["hit_rate"] > seat_only["hit_rate"] or seat_only_at_ceiling, report
+    check_responses_conversation(result["runs"][0]["responses"])
+
+
+def check_responses_conversation(conversation: dict) -> None:
+    """The Responses API's three turns by previous_response_id (tests/e2e/responses_conversation.py):
+    every turn on one replica; each follow-up's prompt found >= 90 % of the previous turn's prompt
+    and reply (all the earlier turns' tokens) in the prefix cache; the third turn's time to first
+    token at most half that of its whole history sent where no replica holds it; every stored
+    response read back after the replica that made them was killed."""
+    turns, cold = conversation["turns"], conversation["cold"]
+    print(json.dumps({"responses": {"turns": [{k: t[k] for k in ("ttft_s", "input_tokens", "output_tokens", "queries", "hits", "served_by")} for t in turns], "cold": cold}}))
+    server = conversation["killed_replica"]
+    for previous, turn in zip(turns, turns[1:]):
+        assert turn["served_by"][server] == 1 and sum(turn["served_by"]) == 1, turns
+        assert turn["queries"] == turn["input_tokens"], turn
+        assert turn["hits"] >= 0.9 * (previous["input_tokens"] + previous["output_tokens"]), turns
+    assert all(c["input_tokens"] > turns[-1]["input_tokens"] for c in cold)  # the same history, longer instructions
+    assert turns[-1]["ttft_s"] <= 0.5 * min(c["ttft_s"] for c in cold), (turns, cold)
+    assert [(r["id"], r["text"]) for r in conversation["stored_after_kill"]] == [(t["id"], t["text"]) for t in turns]
 
 
 if __name__ == "__main__":

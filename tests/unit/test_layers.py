@@ -35,7 +35,7 @@ LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 ENGINE_PACKAGES = (
     "config", "protocol", "core", "kernels", "quant", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
 )
-ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response")
+ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response", "responses")
 ROUTER_MODULE_LAYERS = ("config",)  # modules, not packages: router/config.py, the settings every layer reads
 ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself
 BENCH_PACKAGES = ("workloads", "engine", "serving")  # cluster.bench's packages, lowest first
