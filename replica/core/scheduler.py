@@ -386,8 +386,10 @@ class Scheduler:
                 # later chunk still in flight).
                 ends_prompt = scheduled.start + scheduled.num_new_tokens == request.num_tokens
                 if request.sampling_params.scores_prompt_only and ends_prompt:
-                    produced.append(request)  # the prompt is prefilled (and scored): done, no token
-                    self._finish(request, FinishReason.LENGTH, None, out.step)
+                    produced.append(request)  # the prompt is prefilled (and scored, or pooled): done, no token
+                    # an embedding request ends as vLLM's pooling requests do: stopped
+                    reason = FinishReason.STOP if request.pooling_params is not None else FinishReason.LENGTH
+                    self._finish(request, reason, None, out.step)
                 continue
             assert token_id is not None
             produced.append(request)

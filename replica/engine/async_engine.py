@@ -148,6 +148,7 @@ class AsyncLLMEngine:
         make = functools.partial(
             request_from_envelope, envelope, max_model_len=engine.max_model_len, eos_token_ids=engine.eos_token_ids,
             grammar_compiler=engine.grammar_compiler, lora=engine.lora, scheduling_policy=engine.scheduler.scheduling_policy,
+            check_pooling=engine.check_pooling,
         )
         lora = envelope.lora_request
         try:

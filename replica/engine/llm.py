@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from replica.config.engine_config import EngineConfig
 from replica.engine.llm_engine import LLMEngine
 from replica.protocol.lora_request import LoRARequest
-from replica.protocol.outputs import CompletionOutput, RequestOutput
+from replica.protocol.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from replica.protocol.pooling_params import PoolingParams, embedding_sampling_params
 from replica.protocol.sampling_params import SamplingParams
 
 
@@ -151,6 +152,57 @@ class LLM:
                 )
             )
         return results
+
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's ``LLM.embed``): each runs as a prefill-only request whose last
+        prompt token's final hidden state is pooled (``docs/embeddings.md``); outputs in the
+        prompts' order. :func:`embed_all` on this engine."""
+        return embed_all(self.engine, prompts, prompt_token_ids=prompt_token_ids, pooling_params=pooling_params)
+
+
+def embed_all(
+    engine,
+    prompts: str | Sequence[str] | None = None,
+    *,
+    prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    pooling_params: PoolingParams | None = None,
+) -> list[EmbeddingRequestOutput]:
+    """Embed every prompt on ``engine`` (an :class:`LLMEngine`, or a
+    :class:`~replica.pooling.engine.PoolingEngine`: the same request methods) until all are done;
+    outputs in the prompts' order.
+
+    Raises:
+        ValueError: a bad prompt (as :meth:`LLM.generate`), ``dimensions`` the model cannot give
+            (``RequestError``); nothing is queued then.
+    """
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    items = list(prompts) if prompts is not None else [list(p) for p in prompt_token_ids]
+    params = pooling_params or PoolingParams()
+    engine.check_pooling(params)
+    requests = []
+    for item in items:
+        text, ids = (item, None) if prompts is not None else (None, item)
+        request = engine.make_request(None, text, ids, embedding_sampling_params())
+        request.pooling_params = params
+        requests.append(request)
+    for request in requests:
+        engine.add_prepared_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [
+        EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding), r.embedding is not None)
+        for r in requests
+    ]
 
 
 def _latency_metrics(request) -> dict[str, float]:

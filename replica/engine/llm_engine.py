@@ -33,6 +33,7 @@ from replica.engine.request_builder import build_request, eos_token_ids
 from replica.engine.reporting import EngineReporting
 from replica.engine.step_failures import MAX_CONSECUTIVE_FAILED_STEPS, EngineStateError, fail_request, fail_step
 from replica.protocol.outputs import EngineOutput, FinishReason
+from replica.protocol.pooling_params import PoolingParams, check_dimensions, matryoshka_of
 from replica.protocol.request_checks import check_priority
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.sampling_params import SamplingParams
@@ -145,6 +146,14 @@ class LLMEngine(EngineReporting):
             tokenizer=self.tokenizer, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids, grammar_compiler=self.grammar_compiler,
         )
+
+    def check_pooling(self, params: PoolingParams | None) -> None:
+        """An embedding request's pooling parameters (None: a generation request, always fine)
+        are ones this model can give: ``dimensions`` only on a Matryoshka model
+        (:func:`~replica.protocol.pooling_params.check_dimensions`). Raises ``RequestError``."""
+        if params is not None:
+            config = self.runner.hf_config
+            check_dimensions(params, config.get_text_config().hidden_size, matryoshka_of(config))
 
     def add_request(
         self, request_id: str | None = None, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -347,6 +356,8 @@ class LLMEngine(EngineReporting):
             outputs.append(fail_request(self, request, exc))
         for row, entries in result.prompt_logprobs.items():
             out.scheduled[row].request.prompt_logprobs.extend(entries)
+        for row, vector in result.embeddings.items():  # embedding requests: their prefill ends them below
+            out.scheduled[row].request.embedding = vector
         logprobs_of = {  # a row's logprobs entries: its first token's, then (speculation) the others'
             id(s.request): [lp, *result.extra_logprobs.get(i, ())]
             for i, (s, lp) in enumerate(zip(out.scheduled, result.logprobs)) if lp is not None

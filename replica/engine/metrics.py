@@ -134,6 +134,12 @@ class EngineMetrics:
             registry=r,
         )
         self.requests_slo = {outcome: self._slo.labels(**self.labels, outcome=outcome) for outcome in SLO_OUTCOMES}
+        # Embeddings (/v1/embeddings; also counted above as requests, with their prompt tokens)
+        self.embedding_requests = counter("embedding_requests", "Embedding requests served (one per input).")
+        self.embedding_prompt_tokens = counter("embedding_prompt_tokens", "Prompt tokens of the embedding requests served.")
+        self.embedding_request_latency = histogram(
+            "embedding_request_latency_seconds", "Arrival to embedding (an embedding request's whole time).", LATENCY_BUCKETS
+        )
         # Structured output
         self._constrained = Counter(
             "carpool:structured_output_requests",
@@ -218,7 +224,7 @@ class EngineMetrics:
         self.slot_utilization.set(num_running / num_slots)
         self.kv_cache_blocks_total.set(num_total_blocks)
         self.kv_cache_blocks_free.set(num_free_blocks)
-        self.kv_cache_usage_perc.set(1.0 - num_free_blocks / num_total_blocks)
+        self.kv_cache_usage_perc.set(1.0 - num_free_blocks / num_total_blocks if num_total_blocks else 0.0)  # pooling engine: no KV
 
     def on_step(self, *, num_tokens: int, num_running: int, num_slots: int, duration_s: float) -> None:
         """One step ran: ``num_tokens`` computed with ``num_running`` seats taken, in ``duration_s``."""
@@ -294,6 +300,12 @@ class EngineMetrics:
         self.e2e_request_latency.observe(e2e_s)
         if finish_reason == "abort":
             self.requests_aborted.inc()
+
+    def on_embedding(self, num_prompt_tokens: int, latency_s: float) -> None:
+        """An embedding request got its vector, ``latency_s`` after its arrival."""
+        self.embedding_requests.inc()
+        self.embedding_prompt_tokens.inc(num_prompt_tokens)
+        self.embedding_request_latency.observe(latency_s)
 
     def on_rejected(self) -> None:
         self.requests_rejected.inc()

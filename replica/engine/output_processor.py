@@ -121,6 +121,8 @@ class OutputProcessor:
         self.detokenizers.pop(request.request_id, None)
         if self.metrics is not None:
             self.metrics.on_finished(request.finish_reason.value, now - request.arrival_time)
+            if request.embedding is not None:
+                self.metrics.on_embedding(request.num_prompt_tokens, now - request.arrival_time)
             if request.slo is not None and request.finish_reason is not FinishReason.ABORT:
                 self.metrics.on_slo("met" if slo_met(request, now) else "missed")
 

@@ -81,6 +81,7 @@ def request_from_envelope(
     grammar_compiler: Any = None,
     lora: EngineLoRA | None = None,
     scheduling_policy: str = "fcfs",
+    check_pooling: Any = None,
 ) -> Request:
     """The :class:`Request` of an envelope the ingress built (and checked against the replicas'
     ``model_info``). Trusted: only what this engine alone knows is checked again: its adapters
@@ -89,19 +90,24 @@ def request_from_envelope(
     (:func:`~replica.protocol.request_checks.check_prompt_fits`, the ingress's rule and message),
     and its ``priority`` against this engine's ``scheduling_policy``
     (:func:`~replica.protocol.request_checks.check_priority`); the constraint is compiled for this
-    engine's tokenizer. Arrival: now.
+    engine's tokenizer. Arrival: now. ``check_pooling(pooling_params)`` (the engine's
+    ``check_pooling``) checks the envelope's pooling parameters (None: a generation request)
+    against what this engine serves.
 
     Raises:
         replica.protocol.errors.LoRAAdapterError: the adapter cannot be used, or ``lora`` is None.
         replica.protocol.errors.RequestError: the prompt does not fit this engine's ``max_model_len``;
-            a nonzero ``priority`` under ``"fcfs"``.
+            a nonzero ``priority`` under ``"fcfs"``; what ``check_pooling`` raises.
         ValueError: what :func:`compile_grammar` raises.
     """
     priority = check_priority(envelope.priority, scheduling_policy)
     adapter = check_lora_request(lora, envelope.lora_request)
     params = envelope.sampling_params
+    if check_pooling is not None:
+        check_pooling(envelope.pooling_params)
     check_prompt_fits(len(envelope.prompt_token_ids), max_model_len, params.scores_prompt_only)
     request = _request(envelope.request_id, list(envelope.prompt_token_ids), params, None, eos_token_ids, grammar_compiler)
+    request.pooling_params = envelope.pooling_params
     request.lora = adapter
     request.priority = priority
     request.slo = envelope.slo

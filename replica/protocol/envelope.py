@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from replica.protocol.lora_request import LoRARequest
+from replica.protocol.pooling_params import PoolingParams
 from replica.protocol.prefix_hash import ROOT, block_hashes
 from replica.protocol.sampling_params import SamplingParams
 from replica.protocol.slo import LatencyTargets
@@ -73,6 +74,8 @@ class RequestEnvelope:
         slo: the request's latency targets (:class:`~replica.protocol.slo.LatencyTargets`), or
             None: the replica may refuse it when it asked to be shed and would be late
             (``replica/engine/admission.py``), and counts whether it met them.
+        pooling_params: an embedding request's (:mod:`replica.protocol.pooling_params`; its
+            ``sampling_params`` then generate nothing), or None for a generation request.
     """
 
     request_id: str
@@ -82,4 +85,5 @@ class RequestEnvelope:
     lora_request: LoRARequest | None = None
     priority: int = 0
     slo: LatencyTargets | None = None
+    pooling_params: PoolingParams | None = None
 

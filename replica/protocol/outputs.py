@@ -70,6 +70,23 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingOutput``): float32 values."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (shaped like vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
 class EngineOutput:
     """A request's delta after one engine step: what streaming consumers receive.
 
@@ -79,6 +96,8 @@ class EngineOutput:
     because of an internal error in its own processing or in its step's forward.
     ``prompt_logprobs`` (requests that ask for them) comes once, with the request's first delta:
     one entry per prompt token, ``None`` for the first.
+    ``embedding`` (embedding requests, :mod:`replica.protocol.pooling_params`) comes with the
+    finished delta: the pooled vector, float32 values.
     """
 
     request_id: str
@@ -92,6 +111,7 @@ class EngineOutput:
     num_output_tokens: int
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None
 
     def merged(self, later: "EngineOutput") -> "EngineOutput":
         """This delta followed by ``later`` (of the same request) as one delta: tokens, text and
@@ -111,6 +131,7 @@ class EngineOutput:
             num_output_tokens=later.num_output_tokens,
             error=later.error,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            embedding=later.embedding if later.embedding is not None else self.embedding,
         )
 
 

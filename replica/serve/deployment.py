@@ -83,7 +83,10 @@ class LLMReplica:
             from replica.serve.tp_ranks import PlacementGroupLauncher
 
             launch_ranks = PlacementGroupLauncher(num_gpus=1 if config.device.startswith("cuda") else 0)
-        self.engine = AsyncLLMEngine(config, metrics=self.metrics, launch_ranks=launch_ranks)
+        from replica.pooling import pooling_engine_for  # an embedding model's engine (None: LLMEngine)
+
+        pooling = pooling_engine_for(config, self.metrics)
+        self.engine = AsyncLLMEngine(config, engine=pooling, metrics=self.metrics, launch_ranks=launch_ranks)
         self.channels = DeltaChannels(node_ip(), on_lost=self._abort_requests)
         self._inflight = 0  # generate() calls between their first and last line
         self._num_requests = 0  # generate() calls since start

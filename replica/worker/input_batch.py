@@ -21,6 +21,7 @@ are the one special case: such a row recomputes its request's last token at the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,9 @@ class ModelInputs:
     ``sequences`` is what the attention backend plans from. ``seats``: ``[num_scheduled]`` int64,
     each scheduled row's seat in the persistent batch (its sampling inputs: ``InputBatch.sampling``);
     ``sample_seats``: ``[num_sampling_rows]``, the sampling rows' seats (``seats[sample_rows]``).
+    ``pool_rows`` (embedding requests): the scheduled rows whose chunk computes their request's
+    last prompt token; one logits row each, after the prompt rows, whose hidden state the runner
+    pools (:mod:`replica.worker.pooler`) instead of sampling.
     """
 
     input_ids: np.ndarray
@@ -57,6 +61,8 @@ class ModelInputs:
     draft_spans: list[tuple[int, int]] = field(default_factory=list)
     seats: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_seats: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pool_rows: list[int] = field(default_factory=list)
+    head_input: Any = None  # after the forward, with pool_rows: the output layer's input [num_logits_rows, hidden]
 
     @property
     def num_draft_rows(self) -> int:
@@ -153,6 +159,7 @@ class InputBatch:
         static_padding_rows = []  # static baseline: finished members' rows
         prompt_spans = []
         draft_spans = []
+        pool_rows = []  # embedding requests whose chunk ends their prompt
         for i, sched in enumerate(scheduled):
             request = sched.request
             rows[i] = self._sync(request)
@@ -164,6 +171,8 @@ class InputBatch:
                 self.token_ids[rows[i], known : known + len(sched.spec_token_ids)] = sched.spec_token_ids
                 if sched.num_verified_drafts:
                     draft_spans.append((i, sched.num_verified_drafts))
+            if request.pooling_params is not None and sched.start + sched.num_new_tokens == request.num_prompt_tokens:
+                pool_rows.append(i)
             if sched.is_padding:
                 static_padding_rows.append(i)
             elif request.sampling_params.prompt_logprobs is not None:
@@ -186,11 +195,12 @@ class InputBatch:
         seq_lens = starts + counts
         width = int(-(-seq_lens.max() // bs))
         logits_indices = query_start[1:][samples] - 1
-        if prompt_spans or draft_spans:
+        if prompt_spans or draft_spans or pool_rows:
             logits_indices = np.concatenate([
                 logits_indices,
                 *(query_start[i] + np.arange(k) for i, k in draft_spans),
                 *(np.arange(first, end) - starts[i] + query_start[i] for i, first, end in prompt_spans),
+                query_start[1:][pool_rows] - 1,
             ])
         sample_rows = np.flatnonzero(samples).tolist()
         num_tokens = max(padded_size(num_real) if pad else num_real, min_tokens, min_rows)
@@ -213,7 +223,8 @@ class InputBatch:
             num_tokens=num_tokens,
         )
         return ModelInputs(
-            input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans, draft_spans, rows, rows[samples]
+            input_ids, positions, logits_indices, sample_rows, sequences, prompt_spans, draft_spans, rows, rows[samples],
+            pool_rows,
         )
 
 

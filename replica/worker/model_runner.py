@@ -4,7 +4,8 @@ With its helpers (:mod:`replica.worker.warm_up`, :mod:`replica.worker.cuda_graph
 builds tensors. Per step: the step's flat inputs from the persistent batch
 (:mod:`replica.worker.input_batch`: ``input_ids``, ``positions``, ``slot_mapping``, each ``[num_tokens]``,
 one host-to-device copy), one plan of the attention backend (:mod:`replica.attention.reference`),
-one forward with our paged attention, logits only where a token is sampled (``logits_to_keep``).
+one forward with our paged attention, logits only where a token is sampled (``logits_to_keep``)
+or an embedding request's last prompt token is pooled (:mod:`replica.worker.pooler`).
 
 Fast paths (:mod:`replica.worker.compilation`): on CPU, linear layers use prepacked weights (float32 ones
 Carpool's kernel), bfloat16/float16 steps are padded to a few token counts
@@ -29,6 +30,7 @@ rank replays, so that all ranks run the same forwards with the same shapes and c
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import numpy as np
@@ -53,6 +55,7 @@ from replica.worker.kv_sizing import decide_num_blocks
 from replica.worker.model_loader import load_model, quantize_linears, resolve_dtype
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 from replica.worker.model_support import check_supported, probe_attention
+from replica.worker.pooler import capture_head_input
 from replica.worker.parallel import TPGroup, abandon_group, install_forwards, localize, shared_reducer
 from replica.worker.step_sampler import StepSampler
 from replica.worker.tp_launch import start_ranks
@@ -374,11 +377,12 @@ class ModelRunner:
             # zero stride, which the compiled graph's guards would tell apart and compile again for).
             input_ids, positions = input_ids.unsqueeze(0), positions.unsqueeze(0)
         extra = {}
+        pooling = capture_head_input(self.model) if inputs.pool_rows else contextlib.nullcontext()
         if decode_only:
             extra["carpool_decode"] = DecodeStep(*decode, block_size=self.block_size)
         if self.compiled:
             mark_step_dynamic(input_ids, positions, extra.get("carpool_decode"))
-        with running_step(self.backend), record_function("carpool.forward"):
+        with running_step(self.backend), record_function("carpool.forward"), pooling as captured:
             logits = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
@@ -386,6 +390,8 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
                 **extra,
             ).logits[0]  # [num_logits_rows, vocab]
+        if inputs.pool_rows:  # the final hidden states of the logits rows (replica.worker.pooler)
+            inputs.head_input = captured[-1]
         return logits
 
     def sample_later(self, launched: tuple[SchedulerOutput, ModelInputs, torch.Tensor]) -> PendingTokens:

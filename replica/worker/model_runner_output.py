@@ -23,6 +23,8 @@ class ModelRunnerOutput:
     ``prompt_logprobs`` maps a row to the prompt logprobs its chunk computed, in position order.
     ``extra_token_ids`` (speculative decoding) maps a row that verified drafts to the tokens it
     emits after its first (one per accepted draft), ``extra_logprobs`` to their logprobs entries.
+    ``embeddings`` maps the row of an embedding request that computed its last prompt token to its
+    pooled vector (:mod:`replica.worker.pooler`).
     """
 
     sampled_token_ids: list[int | None]
@@ -31,6 +33,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
     extra_token_ids: dict[int, list[int]] = field(default_factory=dict)
     extra_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
+    embeddings: dict[int, list[float]] = field(default_factory=dict)
 
 
 class PendingTokens:
@@ -39,7 +42,7 @@ class PendingTokens:
     Either ``tokens`` ``[k]`` (int64, on the logits' device) sampled for the scheduled ``rows``
     ``[k]`` of a step of ``num_rows`` rows, with no logprobs: on CUDA the copy to pinned host memory
     starts at once and :meth:`result` waits for it alone. Or an already finished ``result``
-    (a step with logprobs, prompt logprobs, padding or a sampling error), whose tokens are put on
+    (a step with logprobs, prompt logprobs, embeddings, padding or a sampling error), whose tokens are put on
     ``device`` for the next step's inputs.
 
     :meth:`index` maps a request id to its token's position in :attr:`tokens`: the next step's

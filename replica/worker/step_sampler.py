@@ -1,6 +1,6 @@
-"""Sampling one step's logits: the next token of every row that reaches its last known token, and the
-prompt logprobs asked for (:class:`StepSampler`, the model runner's; rank 0 only under tensor
-parallelism).
+"""Sampling one step's logits: the next token of every row that reaches its last known token, the
+prompt logprobs asked for, and the embeddings of the embedding requests whose prompt ends
+(:class:`StepSampler`, the model runner's; rank 0 only under tensor parallelism).
 
 The sampler's inputs come from the persistent batch's seats (:class:`~replica.worker.sampling_batch.SamplingBatch`,
 gathered into a :class:`~replica.sample.metadata.SamplingMetadata` per step); the scheduler's
@@ -22,6 +22,7 @@ from replica.sample.logprobs import token_logprobs
 from replica.sample.rejection_sampler import verify
 from replica.sample.sampler import Sampler
 from replica.worker.input_batch import ModelInputs
+from replica.worker.pooler import pool
 from replica.worker.sampling_batch import SamplingBatch
 from replica.worker.model_runner_output import ModelRunnerOutput, PendingTokens
 
@@ -49,6 +50,7 @@ class StepSampler:
         metadata = self.seats.gather(seats)
         plain = (
             not inputs.prompt_spans
+            and not inputs.pool_rows
             and not inputs.draft_spans
             and not metadata.any_logprobs
             and not any(s.is_padding for s in out.scheduled)  # static baseline's padding rows: _sample
@@ -94,6 +96,8 @@ class StepSampler:
             first = num_real_rows + inputs.num_draft_rows
             with record_function("carpool.prompt_logprobs"):
                 self._score_prompts(out, inputs, logits[first : first + inputs.num_prompt_rows], result)
+        if inputs.pool_rows:
+            self._pool(out, inputs, result)
         verified = set()
         if inputs.draft_spans:
             with record_function("carpool.verify_drafts"):
@@ -180,6 +184,22 @@ class StepSampler:
                 result.sampled_token_ids[i], result.logprobs[i] = tokens[0], logprobs[0]
                 result.extra_token_ids[i], result.extra_logprobs[i] = tokens[1:], logprobs[1:]
         return {i for i, _ in spans}
+
+    def _pool(self, out: SchedulerOutput, inputs, result: ModelRunnerOutput) -> None:
+        """The embeddings of ``inputs.pool_rows`` from the output layer's input rows (after the
+        sampling, draft and prompt rows) into ``result.embeddings``; a failure ends only those requests."""
+        first = len(inputs.sample_rows) + inputs.num_draft_rows + inputs.num_prompt_rows
+        rows = inputs.pool_rows
+        try:
+            with record_function("carpool.pool"):
+                vectors = pool(inputs.head_input[first : first + len(rows)],
+                               [out.scheduled[i].request.pooling_params for i in rows])
+        except Exception as exc:
+            logger.exception("pooling failed for %d rows", len(rows))
+            for i in rows:
+                result.errors[i] = exc
+            return
+        result.embeddings.update(zip(rows, vectors))
 
     def _score_prompts(self, out: SchedulerOutput, inputs, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Prompt logprobs of ``inputs.prompt_spans`` from their logits rows ``[num_prompt_rows, V]``

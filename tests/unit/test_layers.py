@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("replica", "router", "cluster")  # lowest first
 LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 ENGINE_PACKAGES = (
-    "config", "protocol", "core", "kernels", "quant", "attention", "sample", "lora", "worker", "spec_decode", "engine", "serve"
+    "config", "protocol", "core", "kernels", "quant", "attention", "sample", "lora", "worker", "spec_decode", "engine", "pooling", "serve"
 )
-ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response", "responses")
+ROUTER_PACKAGES = ("config", "observability", "routing", "request", "lora", "dispatch", "response", "responses", "embeddings")
 ROUTER_MODULE_LAYERS = ("config",)  # modules, not packages: router/config.py, the settings every layer reads
 ROUTER_MAY_IMPORT = ("replica.protocol", "replica.config")  # and their modules; plus replica.serve itself
 BENCH_PACKAGES = ("workloads", "engine", "serving")  # cluster.bench's packages, lowest first

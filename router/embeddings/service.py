@@ -1,0 +1,140 @@
+"""``POST /v1/embeddings`` from a checked body to OpenAI's response: caps, tokenization, the fan-out
+plan and the response body.
+
+Each input is one replica request (a batch of 64 inputs is 64 engine requests, run concurrently
+through :meth:`~router.dispatch.fanout.Fanout.run_all`, as a completion's prompts are): a
+prefill-only request (``SamplingParams`` with ``max_tokens`` 0) carrying
+:class:`~replica.protocol.pooling_params.PoolingParams`, whose finished output holds the pooled
+vector (``EngineOutput.embedding``). Text inputs are tokenized here, once, with the model's special
+tokens (as completions' prompts); token id inputs go as they are. The rules are the engine's own
+(:mod:`replica.protocol.request_checks`: ids inside the vocabulary, an input of at most
+``max_model_len`` tokens); ``dimensions`` is checked by the replica, which knows whether its model
+is a Matryoshka model. The response is OpenAI's: ``{"object": "list", "data": [{"object":
+"embedding", "index", "embedding"}], "model", "usage": {"prompt_tokens", "total_tokens"}}``, each
+embedding a list of floats or (``encoding_format: base64``) its little-endian float32 bytes in
+base64, in the inputs' order.
+"""
+
+# No "from __future__ import annotations", as in router/ingress.py.
+
+import asyncio
+import base64
+import dataclasses
+import struct
+import uuid
+from typing import Any
+
+from replica.protocol.envelope import RequestEnvelope
+from replica.protocol.errors import RequestError
+from replica.protocol.lora_request import LoRARequest
+from replica.protocol.outputs import EngineOutput
+from replica.protocol.pooling_params import PoolingParams, embedding_sampling_params
+from replica.protocol.request_checks import check_prompt_fits, check_token_ids
+from replica.protocol.sampling_params import SamplingParams
+from router.config import IngressConfig
+from router.embeddings.protocol import EmbeddingRequest
+from router.request.errors import request_error
+from router.request.preparation import Prepared
+from router.request.protocol import OpenAIError
+
+
+class EmbeddingJobs(Prepared):
+    """A prepared embedding request: one prompt per input, each run once (``n`` 1) with the
+    request's :class:`PoolingParams` in its envelope. Ids: ``embd-<hex>``, input ``i`` as
+    ``embd-<hex>-<i>``."""
+
+    def __init__(self, request_id: str, model: str, prompts: list[list[int]], pooling_params: PoolingParams,
+                 block_size: int) -> None:
+        params = embedding_sampling_params()
+        super().__init__(request_id, model, prompts, [""] * len(prompts), [[params] for _ in prompts], block_size)
+        self.pooling_params = pooling_params
+
+    def envelope(self, index: int, prompt_index: int, params: SamplingParams) -> RequestEnvelope:
+        """As :meth:`Prepared.envelope <router.request.preparation.Prepared.envelope>`, with the pooling parameters."""
+        return dataclasses.replace(super().envelope(index, prompt_index, params), pooling_params=self.pooling_params)
+
+
+def encode_base64(vector: list[float]) -> str:
+    """OpenAI's ``base64`` encoding of a vector: its float32 values, little-endian, base64-encoded."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+class Embeddings:
+    """The ``/v1/embeddings`` work of the ingress (see the module docstring).
+
+    Args:
+        config: the ingress settings (``max_choices_per_request`` caps the inputs of one request).
+        tokenizer: the served model's tokenizer.
+        model_name: the served model's name (the response's ``model`` for the base model).
+    """
+
+    def __init__(self, config: IngressConfig, tokenizer: Any, model_name: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        # No token is longer than this many characters: a longer text has more tokens than that many characters allow.
+        self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+    def check(self, body: EmbeddingRequest) -> int:
+        """The replica requests ``body`` asks for (one per input). Raises a 400 naming ``input``
+        past ``max_choices_per_request``."""
+        cap = self.config.max_choices_per_request
+        if len(body.input) > cap:
+            raise OpenAIError(f"input: at most {cap} inputs per request, got {len(body.input)}", param="input",
+                              code="invalid_value")
+        return len(body.input)
+
+    async def prepare(self, body: EmbeddingRequest, info: dict[str, Any], lora_request: LoRARequest | None) -> EmbeddingJobs:
+        """Tokenize the text inputs (in a worker thread) and check every input against the
+        replicas' ``model_info`` (``vocab_size``, ``max_model_len``, ``block_size``).
+
+        Raises:
+            OpenAIError: 400 naming ``input`` (or ``input.<i>``): a token id outside the
+                vocabulary, an input longer than ``max_model_len`` tokens, a text the tokenizer refuses.
+        """
+        prompts = []
+        limit = info["max_model_len"]
+        for i, item in enumerate(body.input):
+            param = "input" if len(body.input) == 1 else f"input.{i}"
+            if isinstance(item, str):
+                if len(item) > limit * self._max_token_chars:
+                    raise OpenAIError(f"{param}: {len(item)} characters cannot fit in this model's {limit} tokens",
+                                      param=param, code="context_length_exceeded")
+                ids = await asyncio.to_thread(self._encode, item, param)
+            else:
+                ids = list(item)
+            try:
+                check_token_ids(param, ids, info["vocab_size"])
+                check_prompt_fits(len(ids), limit, True, param)
+            except RequestError as exc:
+                raise request_error(exc) from None
+            prompts.append(ids)
+        model = self.model_name if lora_request is None else lora_request.lora_name
+        jobs = EmbeddingJobs(f"embd-{uuid.uuid4().hex}", model, prompts, PoolingParams(dimensions=body.dimensions),
+                             info["block_size"])
+        jobs.lora_request = lora_request
+        return jobs
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=True)
+        except Exception as exc:
+            raise OpenAIError(f"{param}: the text cannot be tokenized: {exc}", param=param, code="invalid_value") from None
+
+    @staticmethod
+    def body(jobs: EmbeddingJobs, body: EmbeddingRequest, outputs: list[EngineOutput]) -> dict[str, Any]:
+        """OpenAI's response body of ``outputs`` (one per input, in order).
+
+        Raises:
+            OpenAIError: 500 if a replica ended an input without a vector (never expected).
+        """
+        data = []
+        for index, output in enumerate(outputs):
+            if output.embedding is None:
+                raise OpenAIError(f"input {index} ended without an embedding ({output.finish_reason})", 500,
+                                  type="internal_server_error", code="internal_error")
+            vector = encode_base64(output.embedding) if body.encoding_format == "base64" else output.embedding
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        tokens = jobs.num_prompt_tokens
+        return {"object": "list", "data": data, "model": jobs.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
