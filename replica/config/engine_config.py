@@ -105,7 +105,7 @@ class EngineConfig(BaseModel):
         None,
         description=(
             "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1 and Q8_0 blocks, "
-            "on Carpool's CPU kernels: bfloat16 on AVX512-BF16 CPUs, float32 on AVX512 ones; CPU, "
+            "on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
             "tensor_parallel_size 1); the model is a .gguf file or the default model (its package ships a "
             "Q4_1 file). Unset: GGUF weights are de-quantized to dtype at load."
         ),

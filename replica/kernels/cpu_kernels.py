@@ -3,7 +3,8 @@ on first use with torch's C++ extension loader and cached: paged decode attentio
 on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
 and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
 ``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
-without Python in between; ``q4_linear`` and ``q8_linear``: weights in GGUF's Q4_0/Q4_1 and Q8_0 blocks, on AVX512 (bf16 activations need AVX512-BF16); Carpool's kernels serve any number of rows and are batch-invariant), and the
+without Python in between; ``q4_linear`` and ``q8_linear``: weights in GGUF's Q4_0/Q4_1 and Q8_0 blocks, on AVX512 or
+AVX2; Carpool's kernels serve any number of rows and are batch-invariant), and the
 sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
@@ -71,13 +72,22 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
+def target_arch() -> str:
+    """The ``-march`` the kernels are built for: ``$CARPOOL_CPU_ARCH`` (e.g. ``haswell``, to run the
+    AVX2 paths on an AVX512 machine), else ``native``."""
+    return os.environ.get("CARPOOL_CPU_ARCH", "").strip() or "native"
+
+
 def build_tag() -> str:
-    """The build folder's name: :func:`cpu_tag` and a short hash of this checkout's source folder.
-    torch's build file names the sources by absolute path, so two checkouts on one machine
-    sharing a folder would rebuild over each other's build at every start."""
+    """The build folder's name: :func:`cpu_tag` and a short hash of this checkout's source folder,
+    and the :func:`target_arch` where it is not ``native``. torch's build file names the sources
+    by absolute path, so two checkouts on one machine sharing a folder would rebuild over each
+    other's build at every start."""
     import hashlib
 
-    return f"{cpu_tag()}-{hashlib.sha256(str(SOURCE.parent.resolve()).encode()).hexdigest()[:8]}"
+    arch = target_arch()
+    suffix = "" if arch == "native" else f"-{arch}"
+    return f"{cpu_tag()}-{hashlib.sha256(str(SOURCE.parent.resolve()).encode()).hexdigest()[:8]}{suffix}"
 
 
 def available() -> bool:
@@ -93,8 +103,9 @@ def has_f32_gemv() -> bool:
 
 def has_block_gemv(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether Carpool's kernels for GGUF's blocks (``q4_linear``: Q4_0 and Q4_1; ``q8_linear``:
-    Q8_0) are built for activations of ``dtype``: bfloat16 where the CPU has AVX512-BF16 and
-    AVX512BW, float32 where it has AVX512F."""
+    Q8_0) are built for activations of ``dtype``: bfloat16 and float32 where the CPU has AVX512F,
+    or AVX2 with FMA and F16C (bfloat16 natively with AVX512-BF16 and AVX512BW, elsewhere through
+    the float32 kernel)."""
     return available() and torch.ops.carpool_cpu.has_q4_gemv(dtype) and torch.ops.carpool_cpu.has_q8_gemv(dtype)
 
 
@@ -109,6 +120,8 @@ def dispatch_summary() -> str:
     :func:`load`)."""
     flags = _cpu_flags() or set()
     cpu = " ".join(f for f in _DISPATCH_FLAGS if f in flags) or "no x86 flags read"
+    if target_arch() != "native":
+        cpu += f" (kernels built for {target_arch()})"
     if not available():
         return f"{cpu} | kernels not built"
     linears = [name for name, ok in (("bf16 (vdpbf16ps)", has_bf16_gemv()), ("f32 (fma)", has_f32_gemv())) if ok]
@@ -164,7 +177,7 @@ def load() -> bool:
                 sources=[str(path) for path in SOURCES],
                 # -fopenmp: at::parallel_for splits the kernels' loops over torch's threads only
                 # in code built with OpenMP (ATen/Parallel.h); without it they ran on one thread.
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                extra_cflags=["-O3", f"-march={target_arch()}", "-ffast-math", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,

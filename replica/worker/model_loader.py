@@ -93,8 +93,8 @@ def quantize_linears(model: torch.nn.Module, gguf_file: str, dtype: torch.dtype)
 
     Raises:
         ValueError: ``dtype`` is neither bfloat16 nor float32 (the kernel's activations), or the
-            kernel is not built for it on this CPU (bfloat16 needs AVX512-BF16 and AVX512BW,
-            float32 AVX512F); what ``quantize_from_gguf`` refuses.
+            kernel is not built for it on this CPU (it needs AVX512F, or AVX2 with FMA and F16C);
+            what ``quantize_from_gguf`` refuses.
     """
     from replica.kernels import cpu_kernels
     from replica.quant.gguf_weights import quantize_from_gguf
@@ -104,7 +104,7 @@ def quantize_linears(model: torch.nn.Module, gguf_file: str, dtype: torch.dtype)
     if not (cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype)):
         raise ValueError(
             f"quantization gguf needs Carpool's CPU kernels for GGUF's blocks, which this CPU cannot run for {dtype} "
-            "(bfloat16 needs AVX512-BF16 and AVX512BW, float32 AVX512F): try --dtype float32 on an AVX512 CPU, or "
-            "serve without --quantization (the weights are then de-quantized)"
+            "(they need AVX512F, or AVX2 with FMA and F16C): serve without --quantization (the weights are then "
+            "de-quantized)"
         )
     return quantize_from_gguf(model, gguf_file)

@@ -316,3 +316,13 @@ def test_the_kernels_give_the_same_bits_on_one_and_two_threads(dtype):
         torch.set_num_threads(threads)
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def test_a_forced_arch_builds_in_a_folder_of_its_own(monkeypatch):
+    """CARPOOL_CPU_ARCH (the AVX2 paths on an AVX512 machine) never shares the native build's folder."""
+    monkeypatch.delenv("CARPOOL_CPU_ARCH", raising=False)
+    native = cpu_kernels.build_tag()
+    assert cpu_kernels.target_arch() == "native"
+    monkeypatch.setenv("CARPOOL_CPU_ARCH", "haswell")
+    assert cpu_kernels.target_arch() == "haswell"
+    assert cpu_kernels.build_tag() == native + "-haswell"

@@ -20,6 +20,10 @@ namespace carpool_blocks {
 // of rows, so a row's sum does not depend on its batch.
 constexpr int64_t kRowBlock = 8;
 
+// With 16 vector registers (AVX2), fewer rows per pass: 3 accumulators a row, and the 4 weights of
+// a quarter block.
+constexpr int64_t kRowBlockAvx2 = 4;
+
 template <int M, typename F>
 void dispatch_rows(int64_t rows, F& f, int64_t group, int64_t r0) {
   if constexpr (M > 0) {
@@ -29,12 +33,12 @@ void dispatch_rows(int64_t rows, F& f, int64_t group, int64_t r0) {
 }
 
 // f.template operator()<M>(group, r0) for every group of 16 outputs (split over torch's threads)
-// and, under it in order, every block of M = min(kRowBlock, rows - r0) rows from row r0.
-template <typename F>
+// and, under it in order, every block of M = min(R, rows - r0) rows from row r0.
+template <int64_t R = kRowBlock, typename F>
 void for_each_row_block(int64_t groups, int64_t rows, F&& f) {
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group)
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) dispatch_rows<kRowBlock>(std::min(kRowBlock, rows - r0), f, group, r0);
+      for (int64_t r0 = 0; r0 < rows; r0 += R) dispatch_rows<R>(std::min(R, rows - r0), f, group, r0);
   });
 }
 
@@ -76,6 +80,49 @@ void store_rows(const __m512* acc, const float* bias, at::BFloat16* y, int64_t N
     const __m256bh out = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[m], bv) : acc[m]);
     _mm256_mask_storeu_epi16(y + m * N + group * 16, mask, (__m256i)out);
   }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// AVX2: a group of 16 outputs is computed as two halves of 8 (one register each), one after the
+// other over all its blocks (the group's bytes stay in L1 between them). The sums are the AVX512
+// float32 kernels' (two chains per block, blocks in ascending order), with the offset of the
+// stored values folded into the block's minimum: d * sum x (q - offset) + m is computed as
+// d * sum x q + (m - offset * d) * sum x.
+#define CARPOOL_BLOCKS_AVX2 1
+
+// The end of block b for M rows, 8 outputs: acc[m] += d * (even[m] + odd[m]) + (m - offset * d) * xsum[m, b].
+template <int M>
+inline void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, const uint16_t* d_block,
+                           const uint16_t* m_block, float offset, const float* xsum, int64_t blocks, int64_t b) {
+  const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_block)));
+  __m256 low = _mm256_mul_ps(scale, _mm256_set1_ps(-offset));
+  if (m_block) low = _mm256_add_ps(low, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block))));
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[m], odd[m]), acc[m]);
+    if (xsum) acc[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsum[m * blocks + b]), acc[m]);
+  }
+}
+
+// y[m, 8 outputs of half `half` of the group] = acc[m] (+ bias), for M rows of y (row length N).
+template <int M>
+inline void store_rows_avx2(const __m256* acc, const float* bias, float* y, int64_t N, int64_t group, int half) {
+  const int64_t first = group * 16 + half * 8, left = std::min<int64_t>(8, N - first);
+  if (left <= 0) return;
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 bv = bias ? _mm256_maskload_ps(bias + first, mask) : _mm256_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm256_maskstore_ps(y + m * N + first, mask, bias ? _mm256_add_ps(acc[m], bv) : acc[m]);
+}
+
+// Each row's block sums of x [rows, K] (float32), in ascending k: xsum [rows, K / 32].
+inline void block_sums(const float* x, int64_t rows, int64_t K, float* xsum) {
+  const int64_t blocks = K / 32;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0.f;
+      for (int64_t k = 0; k < 32; ++k) s += x[r * K + b * 32 + k];
+      xsum[r * blocks + b] = s;
+    }
 }
 #endif
 

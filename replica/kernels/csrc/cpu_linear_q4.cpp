@@ -39,15 +39,14 @@ namespace {
 
 
 
-// Whether this build computes x of `dtype` (bf16: AVX512-BF16 and AVX512BW; float32: AVX512F).
+// Whether this build computes x of `dtype`: float32 on AVX512F or AVX2 (with FMA and F16C); bf16
+// natively on AVX512-BF16 with AVX512BW, elsewhere through float32 (x widened, y rounded once).
 bool has_q4_gemv(at::ScalarType dtype) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
+#if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
   return false;
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -90,6 +89,44 @@ void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict x
 }
 #endif
 
+#if defined(CARPOOL_BLOCKS_AVX2)
+// As q4_rows_f32, on AVX2 (cpu_linear_blocks.h): half `half` of the group's 16 lanes, whose
+// bytes are the second 16 of each quarter's 32 for half 1.
+template <int M>
+void q4_rows_avx2(const float* __restrict x, int64_t K, const float* __restrict xsum, const uint8_t* __restrict q,
+                  const uint16_t* __restrict d, const uint16_t* __restrict mins, float offset, const float* __restrict bias,
+                  float* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* qg = q + group * blocks * 256 + half * 16;
+    const uint16_t* dg = d + group * blocks * 16 + half * 8;
+    const uint16_t* mg = mins ? mins + group * blocks * 16 + half * 8 : nullptr;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 even[M], odd[M];  // two chains per row: k = 4h, 4h + 2 and k = 4h + 1, 4h + 3
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      const uint8_t* qb = qg + b * 256;
+      for (int h = 0; h < 8; ++h) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + h * 32)));
+        const __m256 w[4] = {
+            _mm256_cvtepi32_ps(_mm256_and_si256(v, low)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), low)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), low)), _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 12))};
+        const int64_t k = b * 32 + h * 4;
+        for (int m = 0; m < M; ++m) {
+          even[m] = _mm256_fmadd_ps(w[0], _mm256_set1_ps(x[m * K + k]), even[m]);
+          odd[m] = _mm256_fmadd_ps(w[1], _mm256_set1_ps(x[m * K + k + 1]), odd[m]);
+          even[m] = _mm256_fmadd_ps(w[2], _mm256_set1_ps(x[m * K + k + 2]), even[m]);
+          odd[m] = _mm256_fmadd_ps(w[3], _mm256_set1_ps(x[m * K + k + 3]), odd[m]);
+        }
+      }
+      carpool_blocks::add_block_avx2<M>(acc, even, odd, dg + b * 16, mg ? mg + b * 16 : nullptr, offset, xsum, blocks, b);
+    }
+    carpool_blocks::store_rows_avx2<M>(acc, bias, y, N, group, half);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int M>
 void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restrict xsum, const uint8_t* __restrict q,
@@ -125,7 +162,7 @@ void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restric
 }
 #endif
 
-// x [..., K] bf16 @ W.T (+ bias) -> [..., N] bf16, W in the packed 4-bit layout above.
+// x [..., K] (bf16 or float32) @ W.T (+ bias) -> [..., N] of x's dtype, W in the packed 4-bit layout above.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t out_features,
                      int64_t offset) {
@@ -134,8 +171,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   shape.back() = out_features;
   if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
   TORCH_CHECK(has_q4_gemv(x.scalar_type()), "q4_linear: this build has no 4-bit kernel for x of ", x.scalar_type(),
-              " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
-#if defined(__AVX512F__)
+              " (bf16 and float32 need AVX512F, or AVX2 with FMA and F16C)");
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+  if (x.scalar_type() == at::kBFloat16)  // no bf16 dot products here: the float32 kernel, rounded once
+    return q4_linear(x.to(at::kFloat), qweight, scales, mins, bias, out_features, offset).to(at::kBFloat16);
+#endif
+#if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
   TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 8 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
                   qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               "q4_linear: qweight must come from replica.quant.blocks.pack_weight");
@@ -155,11 +196,27 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   auto y = at::empty(shape, x.options());
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
+  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   // Each row's block sums of x (for the minimum's term), in ascending k.
   auto xsum = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
   float* xs = xsum.data_ptr<float>();
+#endif
+#if defined(CARPOOL_BLOCKS_AVX2)
+  const float* xf = x2.data_ptr<float>();
+  carpool_blocks::block_sums(xf, rows, K, xs);  // the offset's term needs them too
+  float* yf = y.data_ptr<float>();
+  const float* sums = has_mins || offset != 0 ? xs : nullptr;
+  carpool_blocks::for_each_row_block<carpool_blocks::kRowBlockAvx2>(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+    q4_rows_avx2<M>(xf + r0 * K, K, sums ? sums + r0 * blocks : nullptr, qp, dp, mp, static_cast<float>(offset), bb,
+                    yf + r0 * out_features, out_features, group, blocks);
+  });
+  return y;
+#elif defined(__AVX512F__)
   if (has_mins) {
-    auto sums = [&](const auto* xp) {
+    auto block_sums = [&](const auto* xp) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
           float s = 0.f;
@@ -167,13 +224,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
           xs[r * blocks + b] = s;
         }
     };
-    if (x2.scalar_type() == at::kFloat) sums(x2.data_ptr<float>());
-    else sums(x2.data_ptr<at::BFloat16>());
+    if (x2.scalar_type() == at::kFloat) block_sums(x2.data_ptr<float>());
+    else block_sums(x2.data_ptr<at::BFloat16>());
   }
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* mp = has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
     alignas(64) float values[16];
     for (int i = 0; i < 16; ++i) values[i] = static_cast<float>(i - offset);
@@ -186,7 +239,6 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     });
     return y;
   }
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const at::BFloat16* xp = x2.data_ptr<at::BFloat16>();
   alignas(64) uint16_t entries[32];
@@ -200,10 +252,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
                blocks);
   });
 #endif
-#if defined(__AVX512F__)
   return y;
 #else
-  return at::Tensor();  // not reached: has_q4_gemv is false for every dtype without AVX512F
+  return at::Tensor();  // not reached: has_q4_gemv is false for every dtype without AVX512F or AVX2
 #endif
 }
 

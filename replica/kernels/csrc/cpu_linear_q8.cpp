@@ -30,14 +30,13 @@
 
 namespace {
 
+// As has_q4_gemv (cpu_linear_q4.cpp).
 bool has_q8_gemv(at::ScalarType dtype) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-#if defined(__AVX512F__)
-  if (dtype == at::kFloat) return true;
-#endif
+#if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
   return false;
+#endif
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -105,6 +104,38 @@ void q8_rows_f32(const float* __restrict x, int64_t K, const uint8_t* __restrict
 }
 #endif
 
+#if defined(CARPOOL_BLOCKS_AVX2)
+// As q8_rows_f32, on AVX2 (cpu_linear_blocks.h): half `half` of the group's 16 lanes, whose bytes
+// are the second 16 of each k-pair's 32 for half 1.
+template <int M>
+void q8_rows_avx2(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const uint16_t* __restrict d,
+                  const float* __restrict bias, float* __restrict y, int64_t N, int64_t group, int64_t blocks) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* qg = q + group * blocks * 512 + half * 16;
+    const uint16_t* dg = d + group * blocks * 16 + half * 8;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 even[M], odd[M];  // two chains per row: even and odd k
+      for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+      const uint8_t* qb = qg + b * 512;
+      for (int p = 0; p < 16; ++p) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + p * 32)));
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));  // e = 0, sign-extended
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));  // e = 1
+        const int64_t k = b * 32 + p * 2;
+        for (int m = 0; m < M; ++m) {
+          even[m] = _mm256_fmadd_ps(w0, _mm256_set1_ps(x[m * K + k]), even[m]);
+          odd[m] = _mm256_fmadd_ps(w1, _mm256_set1_ps(x[m * K + k + 1]), odd[m]);
+        }
+      }
+      carpool_blocks::add_block_avx2<M>(acc, even, odd, dg + b * 16, nullptr, 0.f, nullptr, blocks, b);
+    }
+    carpool_blocks::store_rows_avx2<M>(acc, bias, y, N, group, half);
+  }
+}
+#endif
+
 // x [..., K] (bf16 or float32) @ W.T (+ bias) -> [..., N] of x's dtype, W in the packed 8-bit layout above.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias, int64_t out_features) {
@@ -113,8 +144,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   shape.back() = out_features;
   if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
   TORCH_CHECK(has_q8_gemv(x.scalar_type()), "q8_linear: this build has no 8-bit kernel for x of ", x.scalar_type(),
-              " (bf16 needs AVX512-BF16 and AVX512BW, float32 AVX512F)");
-#if defined(__AVX512F__)
+              " (bf16 and float32 need AVX512F, or AVX2 with FMA and F16C)");
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+  if (x.scalar_type() == at::kBFloat16)  // no bf16 dot products here: the float32 kernel, rounded once
+    return q8_linear(x.to(at::kFloat), qweight, scales, bias, out_features).to(at::kBFloat16);
+#endif
+#if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
   TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 16 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
                   qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               "q8_linear: qweight must come from replica.quant.blocks.pack_weight");
@@ -133,6 +168,15 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+#endif
+#if defined(CARPOOL_BLOCKS_AVX2)
+  const float* xf = x2.data_ptr<float>();
+  float* yf = y.data_ptr<float>();
+  carpool_blocks::for_each_row_block<carpool_blocks::kRowBlockAvx2>(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
+    q8_rows_avx2<M>(xf + r0 * K, K, qp, dp, bb, yf + r0 * out_features, out_features, group, blocks);
+  });
+  return y;
+#elif defined(__AVX512F__)
   if (x.scalar_type() == at::kFloat) {
     const float* xf = x2.data_ptr<float>();
     float* yf = y.data_ptr<float>();
@@ -141,7 +185,6 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     });
     return y;
   }
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const auto* xb = reinterpret_cast<const uint32_t*>(x2.data_ptr<at::BFloat16>());
   auto* yb = y.data_ptr<at::BFloat16>();
@@ -150,10 +193,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     q8_rows<M>(xb + r0 * pairs, pairs, qp, dp, bb, yb + r0 * out_features, out_features, group, blocks);
   });
 #endif
-#if defined(__AVX512F__)
   return y;
 #else
-  return at::Tensor();  // not reached: has_q8_gemv is false for every dtype without AVX512F
+  return at::Tensor();  // not reached: has_q8_gemv is false for every dtype without AVX512F or AVX2
 #endif
 }
 
