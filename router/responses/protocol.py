@@ -26,7 +26,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = Field(None, description="Model id; default the served model.")
-    input: str | list[dict[str, Any]] = Field(..., description="A string (one user message) or a list of input items.")
+    input: Any = Field(..., description="A string (one user message) or a list of input items.")
     instructions: StrictStr | None = Field(None, description="A system message put first; not carried over to follow-ups.")
     max_output_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKEN_COUNT)
     temperature: Number | None = Field(None, ge=0, le=2)
@@ -55,7 +55,11 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _non_empty(cls, value: Any) -> Any:
+    def _text_or_items(cls, value: Any) -> str | list[Any]:
+        # One check of the field's type (a union type would name its member, "input.str"); each
+        # item's shape is read by router.responses.items, which names "input.<i>".
+        if not isinstance(value, (str, list)):
+            raise ValueError("must be a string or a list of input items")
         if isinstance(value, list) and not value:
             raise ValueError("must not be empty")
         return value

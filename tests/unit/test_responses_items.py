@@ -5,11 +5,14 @@ typed events of a streamed reply in OpenAI's order, and the chat path's errors r
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from router.request.errors import validation_error
 from router.request.protocol import OpenAIError
 from router.responses.api import responses_error
 from router.responses.events import EventBuilder
 from router.responses.items import chat_messages, chat_tool_choice, chat_tools, output_items, response_format
+from router.responses.protocol import ResponsesRequest
 
 
 def test_items_become_chat_messages():
@@ -122,3 +125,12 @@ def test_the_chat_path_s_errors_name_the_responses_fields():
     assert responses_error(OpenAIError("x", param="messages.0.content"), origins).param == "instructions"
     assert responses_error(OpenAIError("x", param="messages"), origins).param == "input"
     assert responses_error(OpenAIError("n: bad", param="tools.0.function.name")).param == "tools.0.function.name"
+
+
+@pytest.mark.parametrize("value", [5, None, True, {"role": "user", "content": "hi"}])
+def test_an_input_neither_text_nor_items_is_named_input(value):
+    # Not pydantic's union member ("input.str") with "(and 1 more errors)": the field itself.
+    with pytest.raises(ValidationError) as err:
+        ResponsesRequest.model_validate({"input": value})
+    exc = validation_error(err.value.errors())
+    assert exc.param == "input" and exc.message == "input: must be a string or a list of input items", exc.message
