@@ -6,7 +6,8 @@ own), one Serve app per module.
   proxy listens on another port, unused). Package scope: one cluster for the whole e2e suite in a session, shut down when
   the suite ends, so that it does not idle through the other test directories.
 * ``deploy(config, replicas)``: deploys ``cluster.app.build_app(config)`` as an app
-  and returns a :class:`Served` (base URL, ``openai`` client, per-replica stats). Modules wrap it
+  and returns a :class:`Served` (base URL, ``openai`` client, per-replica stats); without a
+  ``response_store`` setting in the config, the app stores no responses (one replica fewer). Modules wrap it
   in a module-scoped ``served`` fixture and the app is deleted when the module ends.
 * After every test that uses ``served``: every replica must come back to 0 running, 0 waiting,
   all KV blocks free, and pass the engine's ``check_integrity()``.
@@ -233,6 +234,9 @@ def deploy(ray_cluster):
     @contextmanager
     def _deploy(config, replicas: int):
         name = config.app_name
+        if not {"response_store", "response_store_max_bytes"} & config.model_fields_set:
+            # No ResponseStore replica for an app whose tests do not store responses (router/responses/).
+            config = config.model_copy(update={"response_store": "none"})
         serve.run(build_app(config, replicas), name=name, route_prefix="/")
         try:
             yield Served(name, ray_cluster, config)
