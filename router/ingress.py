@@ -59,7 +59,7 @@ from router.embeddings.service import Embeddings
 from router.lora.adapters import Adapters
 from router.ray_compat import reuse_address_for_direct_ingress
 from router.request.body_checks import BodyChecks
-from router.request.errors import configure, install
+from router.request.errors import JSONBody, configure, install
 from router.request.preparation import RequestPreparer
 from router.request.protocol import (
     ChatCompletionRequest,
@@ -78,7 +78,8 @@ from router.responses.store import open_store
 logger = logging.getLogger(__name__)
 
 
-app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.")
+# JSONBody: a lone surrogate a client sent (metadata, user, model) comes back escaped, not as a 500.
+app = FastAPI(title="Carpool", description="OpenAI-compatible LLM serving on Ray Serve.", default_response_class=JSONBody)
 install(app)
 
 
@@ -285,7 +286,7 @@ class OpenAIIngress:
         chat = self.responses.chat_body(prepared, turn.chat, await self.fanout.run_all(prepared))
         return await self.responses_api.finish(turn, chat)
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", response_class=JSONBody)  # not pydantic's dump_json (the client's strings)
     async def retrieve_response(self, response_id: str) -> dict[str, Any]:
         """A stored response; 404 when it is not stored (never, deleted, expired or evicted)."""
         return await self.responses_api.retrieve(response_id)

@@ -13,6 +13,7 @@ validation errors (:func:`validation_error`), of ``SamplingParams`` refusals
 # No "from __future__ import annotations", as in router/ingress.py (FastAPI reads the handlers' types).
 
 import hmac
+import json
 import logging
 import math
 from typing import Any
@@ -67,6 +68,21 @@ def configure(api_key: str | None, max_request_body_bytes: int | None, metrics) 
 
 
 # ---- error responses ---------------------------------------------------------------------------
+class JSONBody(JSONResponse):
+    """Starlette's JSON response, but a lone UTF-16 surrogate in a string is written as its JSON
+    escape (``\\ud800``) instead of raising ``UnicodeEncodeError`` (a 500 in plain text).
+
+    JSON's ``"\\ud800"`` parses to such a string, and a client's strings come back in bodies
+    (``metadata``, ``user``) and error messages (``model``, ``previous_response_id``): UTF-8
+    cannot encode them, and the escape reads back as the string sent. The ingress's default
+    response class and every error's.
+    """
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")  # only surrogates fail: U+D800 → b"\\ud800"
+
+
 def error_response(err: OpenAIError) -> JSONResponse:
     """The JSON response of an error (``WWW-Authenticate`` on 401, ``Retry-After`` on 429 and
     503), counted in ``carpool:http_requests_rejected_total``."""
@@ -79,7 +95,7 @@ def error_response(err: OpenAIError) -> JSONResponse:
             headers["x-should-retry"] = "false"
     if _guard.metrics is not None:
         _guard.metrics.on_rejected(err.status_code, err.code)
-    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+    return JSONBody(err.body(), status_code=err.status_code, headers=headers)
 
 
 class StreamError(Exception):

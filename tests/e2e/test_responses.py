@@ -207,3 +207,24 @@ def test_bad_input_gets_openai_errors(served, fields, status, param, message):
         assert error["message"] == message
     if fields.get("input", "").startswith("xxx") if isinstance(fields.get("input"), str) else False:
         assert error["code"] == "response_too_large"
+
+
+def test_lone_surrogates_sent_back_are_escaped_not_a_500(served):
+    # JSON's "\ud800" parses to a lone surrogate, which UTF-8 cannot encode: a field echoed back
+    # (metadata, user) or named in an error (previous_response_id, model) must come back as the
+    # same escape, in a 200 or OpenAI's error shape.
+    import httpx
+
+    head = {"content-type": "application/json"}
+    raw = '{"model": "%s", "input": "hi", "max_output_tokens": 2, "metadata": {"k": "\\ud800"}, "user": "\\udfff"}'
+    reply = httpx.post(served.base_url + "/responses", content=raw % served.model, headers=head, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["metadata"] == {"k": "\ud800"} and reply.json()["user"] == "\udfff"
+    stored = httpx.get(served.base_url + "/responses/" + reply.json()["id"], timeout=60)
+    assert stored.status_code == 200 and stored.json() == reply.json()
+    raw = '{"model": "%s", "input": "hi", "previous_response_id": "resp_\\ud800"}'
+    reply = httpx.post(served.base_url + "/responses", content=raw % served.model, headers=head, timeout=60)
+    assert reply.status_code == 404 and reply.json()["error"]["param"] == "previous_response_id"
+    raw = '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    reply = httpx.post(served.base_url + "/chat/completions", content=raw, headers=head, timeout=60)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
