@@ -71,6 +71,9 @@ class Request:
     # lazily by the scheduler), and how many of the request's blocks are in the prefix cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Prompt tokens its first prefix-cache lookup found computed (vLLM's num_cached_tokens; -1: no
+    # lookup yet). Reported in each delta; a later lookup (after a preemption) does not change it.
+    num_cached_tokens: int = -1
     # Structured output: the constraint's state (replica.sample.grammar.Grammar), or None.
     grammar: Any = None
     # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids.
@@ -127,6 +130,7 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=self.num_output_tokens,
             embedding=self.embedding,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
         )
 
 

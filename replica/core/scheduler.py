@@ -295,6 +295,8 @@ class Scheduler:
             self.prefix_cache_hits += hit
             request.num_computed_tokens = hit
             request.num_cached_blocks = len(cached)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit
         bm.allocate(request.request_id, num_tokens, cached or ())
         request.block_ids = bm.block_table(request.request_id)
         # A block is registered once its tokens are known: one filled with a pending token

@@ -149,6 +149,7 @@ class LLM:
                     finished=all(r.is_finished for _, r in members),
                     metrics=_latency_metrics(first),
                     prompt_logprobs=prompt_logprobs.get(first.request_id),
+                    num_cached_tokens=max(first.num_cached_tokens, 0),
                 )
             )
         return results

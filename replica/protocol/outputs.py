@@ -63,6 +63,7 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with SamplingParams.prompt_logprobs
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's field)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,7 +98,8 @@ class EngineOutput:
     ``prompt_logprobs`` (requests that ask for them) comes once, with the request's first delta:
     one entry per prompt token, ``None`` for the first.
     ``embedding`` (embedding requests, :mod:`replica.protocol.pooling_params`) comes with the
-    finished delta: the pooled vector, float32 values.
+    finished delta: the pooled vector, float32 values. ``num_cached_tokens``: the prompt tokens
+    its first prefix-cache lookup found computed (0 before it, or without a hit).
     """
 
     request_id: str
@@ -112,6 +114,7 @@ class EngineOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None
+    num_cached_tokens: int = 0
 
     def merged(self, later: "EngineOutput") -> "EngineOutput":
         """This delta followed by ``later`` (of the same request) as one delta: tokens, text and
@@ -132,6 +135,7 @@ class EngineOutput:
             error=later.error,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             embedding=later.embedding if later.embedding is not None else self.embedding,
+            num_cached_tokens=later.num_cached_tokens,
         )
 
 

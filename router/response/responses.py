@@ -35,11 +35,12 @@ class Choice:
         prompt_logprobs: one entry per prompt token (None for the first), when asked for.
         finish_reason, stop_reason: set by the last delta.
         num_output_tokens: output tokens so far.
+        num_cached_tokens: prompt tokens the replica found in its prefix cache.
     """
 
     __slots__ = (
         "index", "prompt_index", "text", "token_ids", "logprobs", "prompt_logprobs", "finish_reason", "stop_reason",
-        "num_output_tokens",
+        "num_output_tokens", "num_cached_tokens",
     )
 
     def __init__(self, index: int, prompt_index: int) -> None:
@@ -52,6 +53,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
     def add(self, delta: EngineOutput) -> None:
         """Append a delta (or a whole output) of this choice."""
@@ -62,6 +64,7 @@ class Choice:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.num_output_tokens = delta.num_output_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
@@ -107,12 +110,19 @@ class ResponseFormatter:
     def __init__(self, tokenizer: Any) -> None:
         self.logprobs = LogprobFormatter(tokenizer)
 
-    def _usage(self, prepared: Prepared, choices: Iterable[Choice]) -> dict[str, int]:
+    def _usage(self, prepared: Prepared, choices: Iterable[Choice]) -> dict[str, Any]:
+        """OpenAI's usage: prompt tokens once per prompt, completion tokens of every choice, and
+        ``prompt_tokens_details.cached_tokens``, the prefix-cache hits of each prompt's first choice."""
+        choices = list(choices)
         completion = sum(c.num_output_tokens for c in choices)
+        cached = {}
+        for c in sorted(choices, key=lambda c: c.index):
+            cached.setdefault(c.prompt_index, c.num_cached_tokens)
         return {
             "prompt_tokens": prepared.num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prepared.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
     # ---- whole bodies --------------------------------------------------------------------------

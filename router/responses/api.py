@@ -109,12 +109,12 @@ class Turn:
 
 
 def _usage(chat_usage: dict[str, int] | None) -> dict[str, Any] | None:
-    """The chat usage as the Responses API's. ``cached_tokens`` is 0: replies do not report the
-    prefix cache's hits per request yet (each replica's counters do: docs/responses.md)."""
+    """The chat usage as the Responses API's (``cached_tokens``: the prompt tokens the replica
+    found in its prefix cache)."""
     if chat_usage is None:
         return None
     return {
-        "input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
         "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],
     }

@@ -56,6 +56,7 @@ def run(base_url: str, model: str, actors, opening: str, idle) -> dict:
         turns.append({
             "id": response.id, "ttft_s": ttft, "input_tokens": response.usage.input_tokens,
             "output_tokens": response.usage.output_tokens, "text": response.output_text,
+            "cached_tokens": response.usage.input_tokens_details.cached_tokens,
             "queries": sum(a["prefix_cache_queries"] - b["prefix_cache_queries"] for a, b in zip(after, before)),
             "hits": sum(a["prefix_cache_hits"] - b["prefix_cache_hits"] for a, b in zip(after, before)),
             "served_by": [a["num_requests"] - b["num_requests"] for a, b in zip(after, before)],

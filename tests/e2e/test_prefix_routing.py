@@ -355,12 +355,13 @@ def check_responses_conversation(conversation: dict) -> None:
     token at most half that of its whole history sent where no replica holds it; every stored
     response read back after the replica that made them was killed."""
     turns, cold = conversation["turns"], conversation["cold"]
-    print(json.dumps({"responses": {"turns": [{k: t[k] for k in ("ttft_s", "input_tokens", "output_tokens", "queries", "hits", "served_by")} for t in turns], "cold": cold}}))
+    print(json.dumps({"responses": {"turns": [{k: t[k] for k in ("ttft_s", "input_tokens", "output_tokens", "queries", "hits", "cached_tokens", "served_by")} for t in turns], "cold": cold}}))
     server = conversation["killed_replica"]
     for previous, turn in zip(turns, turns[1:]):
         assert turn["served_by"][server] == 1 and sum(turn["served_by"]) == 1, turns
         assert turn["queries"] == turn["input_tokens"], turn
         assert turn["hits"] >= 0.9 * (previous["input_tokens"] + previous["output_tokens"]), turns
+        assert turn["cached_tokens"] == turn["hits"], turns  # the response's usage reports the replica's hits
     assert all(c["input_tokens"] > turns[-1]["input_tokens"] for c in cold)  # the same history, longer instructions
     assert turns[-1]["ttft_s"] <= 0.5 * min(c["ttft_s"] for c in cold), (turns, cold)
     assert [(r["id"], r["text"]) for r in conversation["stored_after_kill"]] == [(t["id"], t["text"]) for t in turns]

@@ -102,6 +102,7 @@ def test_hit_accounting_and_the_last_token_is_always_computed(tiny_llama):
     # The same 32 tokens again: only the first block may be reused, the last token must be computed.
     [b] = llm.generate(prompt_token_ids=[first], sampling_params=params)
     assert (engine.stats().prefix_cache_queries, engine.stats().prefix_cache_hits) == (64, 16)
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 16)  # each request's own hits
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     # 40 tokens: 2 full blocks cached (the 3rd, partial, is computed).
     llm.generate(prompt_token_ids=[SYSTEM], sampling_params=params)
