@@ -51,9 +51,11 @@ def check_prompt_fits(num_tokens: int, max_model_len: int, scores_prompt_only: b
         RequestError: ``context_length_exceeded``, naming ``param``.
     """
     if num_tokens > max_model_len or (num_tokens == max_model_len and not scores_prompt_only):
+        # a prompt only scored (or embedded) generates nothing: it is too long, not short of room
+        why = "more than that" if scores_prompt_only else "which leaves no room for output"
         raise RequestError(
             f"{param}: this model's maximum context length is {max_model_len} tokens; the prompt "
-            f"has {num_tokens} tokens, which leaves no room for output. Please shorten it.",
+            f"has {num_tokens} tokens, {why}. Please shorten it.",
             param, "context_length_exceeded",
         )
 

@@ -163,8 +163,9 @@ def test_bad_embedding_requests_are_refused(llm):
         llm.embed(prompt_token_ids=[[]])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.embed(prompt_token_ids=[[1, 49152]])
-    with pytest.raises(RequestError, match="maximum context length is 512"):
+    with pytest.raises(RequestError, match="maximum context length is 512") as too_long:
         llm.embed(prompt_token_ids=[[7] * 513])
+    assert "output" not in str(too_long.value)  # nothing is generated: the input alone is too long
     [full] = llm.embed(prompt_token_ids=[[7] * 512])  # a whole context fits: nothing is generated
     assert full.finished
     assert_idle(llm.engine)
