@@ -96,11 +96,14 @@ class AsyncLLMEngine:
         return str(self.engine.runner.dtype).removeprefix("torch.")
 
     def model_info(self) -> dict[str, Any]:
-        """``max_model_len`` (tokens), ``vocab_size`` and ``eos_token_ids``: what requests are checked against."""
+        """``max_model_len`` (tokens), ``vocab_size`` and ``eos_token_ids``: what requests are checked
+        against; ``embedding_only``: the engine is a pooling engine (``replica/pooling``), which
+        serves embedding requests alone."""
         return {
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "eos_token_ids": list(self.engine.eos_token_ids),
+            "embedding_only": bool(getattr(self.engine, "embedding_only", False)),
         }
 
     def has_pending_commands(self) -> bool:

@@ -73,6 +73,8 @@ class PoolingEngine:
         ValueError: a ``max_model_len`` past the model's; a pooling mode that is not served.
     """
 
+    embedding_only = True  # serves embedding requests alone (the replica's model_info says so to the ingress)
+
     def __init__(self, config: EngineConfig | None = None, *, metrics: EngineMetrics | None = None, **kwargs) -> None:
         from transformers import AutoModel
 

@@ -162,6 +162,7 @@ class RequestPreparer:
             OpenAIError: 400 for a prompt that does not fit or cannot be tokenized, or for
                 sampling parameters the engine refuses.
         """
+        self._check_generates(info)
         prompts, texts = [], []
         for i, p in enumerate(body.prompt):
             param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
@@ -183,6 +184,16 @@ class RequestPreparer:
             lora_request=lora_request,
         )
 
+    def _check_generates(self, info: dict[str, Any]) -> None:
+        """The replicas generate: an embedding model's (``info["embedding_only"]``, a pooling
+        engine) serve ``/v1/embeddings`` alone. Raises a 400 naming ``model`` (the replica's own
+        refusal, before a chat template or a tokenizer could fail first)."""
+        if info.get("embedding_only"):
+            raise OpenAIError(
+                f"model: {self.model_name} is an embedding model: it serves /v1/embeddings only, not completions or chat",
+                param="model", code="model_not_supported",
+            )
+
     async def chat(
         self, body: ChatCompletionRequest, info: dict[str, Any], lora_request: LoRARequest | None = None
     ) -> Prepared:
@@ -192,6 +203,7 @@ class RequestPreparer:
         Raises:
             OpenAIError: 400 as :meth:`completion`, or when the chat template fails.
         """
+        self._check_generates(info)
         plan, constraint = await self._in_constraint_thread(self._constraints, body) if _constrained(body) else (None, None)
         ids = await asyncio.to_thread(self._apply_chat_template, body, info, plan)
         self._check_prompt(ids, info, "messages", scores_only=False)

