@@ -15,7 +15,8 @@ def _is_ids(value: Any) -> bool:
 
 class EmbeddingRequest(BaseModel):
     """``POST /v1/embeddings``: OpenAI's fields (``input``, ``model``, ``encoding_format``,
-    ``dimensions``, ``user``); others are ignored, as in the other endpoints' bodies.
+    ``dimensions``, ``user``) and vLLM's ``priority`` (as in completions); others are ignored, as
+    in the other endpoints' bodies.
 
     ``input`` is a string, a list of strings, a list of token ids, or a list of token id lists
     (OpenAI's four forms), normalized to a list of inputs, each a string or a list of ids. An empty
@@ -33,6 +34,10 @@ class EmbeddingRequest(BaseModel):
         None, ge=1, description="Keep the first this many components (Matryoshka models only; else 400)."
     )
     user: StrictStr | None = Field(None, description="Accepted and ignored.")
+    priority: StrictInt = Field(
+        0,
+        description="vLLM's extra: lower runs first (0 by default); not 0 only when the server's scheduling policy is 'priority'.",
+    )
 
     @field_validator("input")
     @classmethod

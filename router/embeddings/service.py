@@ -29,7 +29,7 @@ from replica.protocol.errors import RequestError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
 from replica.protocol.pooling_params import PoolingParams, embedding_sampling_params
-from replica.protocol.request_checks import check_prompt_fits, check_token_ids
+from replica.protocol.request_checks import check_priority, check_prompt_fits, check_token_ids
 from replica.protocol.sampling_params import SamplingParams
 from router.config import IngressConfig
 from router.embeddings.protocol import EmbeddingRequest
@@ -90,8 +90,14 @@ class Embeddings:
 
         Raises:
             OpenAIError: 400 naming ``input`` (or ``input.<i>``): a token id outside the
-                vocabulary, an input longer than ``max_model_len`` tokens, a text the tokenizer refuses.
+                vocabulary, an input longer than ``max_model_len`` tokens, a text the tokenizer
+                refuses; naming ``priority``: not 0 unless the replicas' ``scheduling_policy`` is
+                ``"priority"`` (:func:`~replica.protocol.request_checks.check_priority`).
         """
+        try:
+            priority = check_priority(body.priority, info.get("scheduling_policy", "fcfs"))
+        except RequestError as exc:
+            raise request_error(exc) from None
         prompts = []
         limit = info["max_model_len"]
         for i, item in enumerate(body.input):
@@ -113,6 +119,7 @@ class Embeddings:
         jobs = EmbeddingJobs(f"embd-{uuid.uuid4().hex}", model, prompts, PoolingParams(dimensions=body.dimensions),
                              info["block_size"])
         jobs.lora_request = lora_request
+        jobs.priority = priority
         return jobs
 
     def _encode(self, text: str, param: str) -> list[int]:

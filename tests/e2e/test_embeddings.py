@@ -98,6 +98,7 @@ def test_a_batch_of_64_inputs_returns_in_order(served):
         (dict(input="hi", dimensions=32), "dimensions", "matryoshka"),
         (dict(input="hi", encoding_format="int8"), "encoding_format", "float"),
         (dict(input=[1.5]), "input", "must be a string"),
+        (dict(input="hi", extra_body={"priority": 3}), "priority", "scheduling policy"),  # fcfs: vLLM's rule
     ],
 )
 def test_bad_input_is_an_openai_400(served, kwargs, param, match):
