@@ -89,7 +89,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = Field(DEFAULT_MODEL, description="Hub id or local folder of a decoder-only transformers model.")
+    model: str = Field(
+        DEFAULT_MODEL,
+        description="Hub id or local folder of a transformers model: a decoder-only LM, or an embedding model "
+        "(an encoder such as BertModel, served for /v1/embeddings only).",
+    )
     tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
     dtype: str = Field(
         "auto",
