@@ -287,9 +287,10 @@ class OpenAIIngress:
         return await self.responses_api.finish(turn, chat)
 
     @app.get("/v1/responses/{response_id}", response_class=JSONBody)  # not pydantic's dump_json (the client's strings)
-    async def retrieve_response(self, response_id: str) -> dict[str, Any]:
-        """A stored response; 404 when it is not stored (never, deleted, expired or evicted)."""
-        return await self.responses_api.retrieve(response_id)
+    async def retrieve_response(self, response_id: str, stream: str | None = None) -> dict[str, Any]:
+        """A stored response; 404 when it is not stored (never, deleted, expired or evicted),
+        400 with ``stream`` (no replay of events)."""
+        return await self.responses_api.retrieve(response_id, stream)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ kept, and the response says ``"store": false``.
 
 Errors of the chat path name the chat fields; :func:`responses_error` renames them
 (``messages`` → ``input``, ``response_format`` → ``text.format``, ``max_completion_tokens`` →
-``max_output_tokens``).
+``max_output_tokens``, ``tools.<i>.function.<field>`` → ``tools.<i>.<field>``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ def responses_error(exc: OpenAIError, origins: list[str] = ()) -> OpenAIError:
         origin = origins[int(index.group(1))]
         rest = exc.param[index.end():] if origin.startswith("input.") else ""
         _rename(exc, index.group(0), origin, rest)
+        return exc
+    tool = re.match(r"tools\.\d+\.function(?=\.|$)", exc.param or "")
+    if tool:  # a Responses tool has its name and parameters at its top, not under "function"
+        _rename(exc, tool.group(0), tool.group(0)[: -len(".function")], exc.param[tool.end():])
         return exc
     for old, new in _RENAMES:
         if exc.param is not None and (exc.param == old or exc.param.startswith(old + ".")):
@@ -266,8 +270,22 @@ class ResponsesAPI:
             response["store"] = False
 
     # ---- stored responses -------------------------------------------------------------------------
-    async def retrieve(self, response_id: str) -> dict[str, Any]:
-        """``GET /v1/responses/{id}``: the stored response. Raises 404 when not stored."""
+    async def retrieve(self, response_id: str, stream: str | None = None) -> dict[str, Any]:
+        """``GET /v1/responses/{id}``: the stored response.
+
+        Args:
+            stream: the ``stream`` query parameter as sent (None: absent).
+
+        Raises:
+            OpenAIError: 400 ``unsupported_parameter`` for ``stream`` other than false (OpenAI
+                replays a response's events; this server does not, and its JSON would read as an
+                empty stream); 404 when the response is not stored.
+        """
+        if stream is not None and stream.lower() not in ("false", "0"):
+            raise OpenAIError(
+                "stream: a stored response is not replayed as events; GET it without stream",
+                param="stream", code="unsupported_parameter",
+            )
         record = await self.store.get(response_id) if self.store is not None else None
         if record is None:
             raise not_found(response_id)

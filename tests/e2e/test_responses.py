@@ -187,6 +187,7 @@ BAD = [
     ({"background": True}, 400, "background", None),
     ({"truncation": "auto"}, 400, "truncation", None),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type", None),
+    ({"tools": [{"type": "function", "name": "f", "parameters": []}]}, 400, "tools.0.parameters", None),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema", None),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, 400, "text.format.schema", None),
     ({"max_output_tokens": 5000}, 400, "max_output_tokens", None),
@@ -228,3 +229,11 @@ def test_lone_surrogates_sent_back_are_escaped_not_a_500(served):
     raw = '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
     reply = httpx.post(served.base_url + "/chat/completions", content=raw, headers=head, timeout=60)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_streamed_get_is_a_400(served):
+    # Not the JSON body, which client.responses.retrieve(id, stream=True) reads as no events.
+    import httpx
+
+    reply = httpx.get(served.base_url + "/responses/resp_unknown", params={"stream": "true"}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream", reply.text

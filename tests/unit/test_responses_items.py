@@ -124,7 +124,10 @@ def test_the_chat_path_s_errors_name_the_responses_fields():
     assert responses_error(OpenAIError("x", param="messages.3.content"), origins).param == "input"
     assert responses_error(OpenAIError("x", param="messages.0.content"), origins).param == "instructions"
     assert responses_error(OpenAIError("x", param="messages"), origins).param == "input"
-    assert responses_error(OpenAIError("n: bad", param="tools.0.function.name")).param == "tools.0.function.name"
+    # A Responses tool is flat ({"type": "function", "name", "parameters"}): no "function" level.
+    exc = responses_error(OpenAIError("tools.1.function.parameters: bad", param="tools.1.function.parameters"))
+    assert exc.param == "tools.1.parameters" and exc.message == "tools.1.parameters: bad"
+    assert responses_error(OpenAIError("n: bad", param="tools.0.function.name")).param == "tools.0.name"
 
 
 @pytest.mark.parametrize("value", [5, None, True, {"role": "user", "content": "hi"}])

@@ -98,3 +98,15 @@ def test_a_replica_failure_ends_the_stream_with_response_failed_and_stores_nothi
     assert store.memory.get(turn.id) is None
     done = asyncio.run(_collect(api, turn, [text, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}]))
     assert done[-1]["type"] == "response.completed" and json.loads(store.memory.get(turn.id))["response"] == done[-1]["response"]
+
+
+def test_a_streamed_get_is_refused_not_answered_as_json():
+    # The openai client's retrieve(id, stream=True) reads the JSON body as an empty event stream.
+    api = ResponsesAPI(None, "m", 1 << 20)
+    for value in ("true", "1", "True"):
+        with pytest.raises(OpenAIError) as err:
+            asyncio.run(api.retrieve("resp_x", value))
+        assert err.value.status_code == 400 and err.value.param == "stream"
+    with pytest.raises(OpenAIError) as err:
+        asyncio.run(api.retrieve("resp_x", "false"))
+    assert err.value.status_code == 404
