@@ -23,14 +23,17 @@ def pooling_engine_for(config: EngineConfig, metrics: EngineMetrics | None = Non
 
     Raises:
         ValueError: a pooling model with settings the pooling engine does not run
-            (``tensor_parallel_size`` > 1, LoRA, ``quantization``, speculative decoding).
+            (``tensor_parallel_size`` > 1, LoRA, ``quantization``, speculative decoding, the
+            ``"priority"`` scheduling policy: it takes requests in arrival order).
     """
     if config.model.endswith(".gguf") or not is_pooling_model(resolve_model_path(config.model, weights=False)):
         return None
-    if config.tensor_parallel_size > 1 or config.enable_lora or config.quantization or config.speculative_config:
+    if (config.tensor_parallel_size > 1 or config.enable_lora or config.quantization or config.speculative_config
+            or config.scheduling_policy == "priority"):
         raise ValueError(
             f"model {config.model!r} is an embedding model (pooling engine): tensor_parallel_size > 1, LoRA, "
-            "quantization and speculative decoding are for generation models"
+            "quantization, speculative decoding and the priority scheduling policy are for generation models "
+            "(the pooling engine takes its requests in arrival order)"
         )
     from replica.pooling.engine import PoolingEngine
 

@@ -213,3 +213,7 @@ def test_minilm_on_the_pooling_engine_matches_transformers(minilm_path):
         embed_all(engine, prompt_token_ids=[[101] * 257])
     assert engine.stats().num_waiting == 0 and not engine.scheduler.requests
     assert pooling_engine_for(EngineConfig(model=str(Path(engine.model_path)), tensor_parallel_size=1)) is not None
+    # settings it does not run are refused at start (before loading), not accepted and then ignored
+    for setting in (dict(scheduling_policy="priority"), dict(enable_lora=True), dict(tensor_parallel_size=2)):
+        with pytest.raises(ValueError, match="is an embedding model"):
+            pooling_engine_for(EngineConfig(model=minilm_path, **setting))
