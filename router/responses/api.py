@@ -54,8 +54,8 @@ _RENAMES = (
 
 
 def responses_error(exc: OpenAIError, origins: list[str] = ()) -> OpenAIError:
-    """``exc`` with the chat path's field names as the Responses API's (``param`` and the
-    message's leading ``<param>:``). ``origins``: each chat message's field
+    """``exc`` with the chat path's field names as the Responses API's (``param``, the
+    message's leading ``<param>:``, and ``max_completion_tokens`` anywhere in it). ``origins``: each chat message's field
     (:attr:`Turn.origins`): ``messages.<i>...`` becomes the field its message came from."""
     index = re.match(r"messages\.(\d+)", exc.param or "")
     if index and int(index.group(1)) < len(origins):
@@ -71,6 +71,9 @@ def responses_error(exc: OpenAIError, origins: list[str] = ()) -> OpenAIError:
         if exc.param is not None and (exc.param == old or exc.param.startswith(old + ".")):
             _rename(exc, old, new, exc.param[len(old):])
             break
+    if "max_completion_tokens" in exc.message:  # "... Please reduce the prompt or max_completion_tokens."
+        exc.message = exc.message.replace("max_completion_tokens", "max_output_tokens")
+        exc.args = (exc.message,)
     return exc
 
 

@@ -116,8 +116,9 @@ def test_events_of_text_then_a_call_come_in_order():
 def test_the_chat_path_s_errors_name_the_responses_fields():
     exc = responses_error(OpenAIError("response_format.json_schema.schema: bad", param="response_format.json_schema.schema"))
     assert exc.param == "text.format.schema" and exc.message == "text.format.schema: bad"
-    exc = responses_error(OpenAIError("max_completion_tokens: too many", param="max_completion_tokens"))
-    assert exc.param == "max_output_tokens" and exc.message.startswith("max_output_tokens:")
+    exc = responses_error(OpenAIError("max_completion_tokens: too many. Please reduce the prompt or max_completion_tokens.",
+                                      param="max_completion_tokens"))
+    assert exc.param == "max_output_tokens" and exc.message == "max_output_tokens: too many. Please reduce the prompt or max_output_tokens."
     origins = ["instructions", "previous_response_id", "input.0", "input"]
     exc = responses_error(OpenAIError("messages.2.content: the chat template failed", param="messages.2.content"), origins)
     assert exc.param == "input.0.content" and exc.message == "input.0.content: the chat template failed"
