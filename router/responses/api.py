@@ -151,7 +151,7 @@ class ResponsesAPI:
             OpenAIError: 400 for what :func:`~router.responses.protocol.check_supported` refuses,
                 an input item or field :mod:`router.responses.items` refuses, a conversation
                 larger than the store's bound (``response_too_large``), or a chat body that does
-                not validate; 404 ``previous_response_not_found`` for a ``previous_response_id``
+                not validate; 400 ``previous_response_not_found`` (OpenAI's status and code) for a ``previous_response_id``
                 not stored (never, deleted, expired or evicted).
         """
         check_supported(body)
@@ -197,7 +197,7 @@ class ResponsesAPI:
         record = await self.store.get(response_id)
         if record is None:
             raise OpenAIError(
-                f"Previous response with id '{response_id}' not found.", 404,
+                f"Previous response with id '{response_id}' not found.", 400,
                 param="previous_response_id", code="previous_response_not_found",
             )
         return json.loads(record)

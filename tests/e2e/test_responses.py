@@ -10,7 +10,7 @@ the real ``openai`` client (``client.responses``).
   arguments events), its ``function_call_output`` sent back by ``previous_response_id``, and the
   same conversation sent as explicit items gives the same prompt;
 * a follow-up by ``previous_response_id`` has the prompt of the whole history sent as chat;
-* bad input gets OpenAI's 4xx naming the field: an unknown ``previous_response_id`` (404),
+* bad input gets OpenAI's 4xx naming the field: an unknown ``previous_response_id`` (400, as OpenAI),
   unsupported items, parts and tools, ``background``, a conversation larger than the store.
 
 The cache hits and routing of follow-ups on 2 nodes, and a stored response outliving the replica
@@ -179,7 +179,7 @@ def test_a_follow_up_has_the_prompt_of_the_whole_history(served):
 
 
 BAD = [
-    ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id", "Previous response with id 'resp_unknown' not found."),
+    ({"previous_response_id": "resp_unknown"}, 400, "previous_response_id", "Previous response with id 'resp_unknown' not found."),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0.type", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, 400, "input.0.content.0.type", None),
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input.0.role", None),
@@ -225,7 +225,7 @@ def test_lone_surrogates_sent_back_are_escaped_not_a_500(served):
     assert stored.status_code == 200 and stored.json() == reply.json()
     raw = '{"model": "%s", "input": "hi", "previous_response_id": "resp_\\ud800"}'
     reply = httpx.post(served.base_url + "/responses", content=raw % served.model, headers=head, timeout=60)
-    assert reply.status_code == 404 and reply.json()["error"]["param"] == "previous_response_id"
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "previous_response_id"
     raw = '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
     reply = httpx.post(served.base_url + "/chat/completions", content=raw, headers=head, timeout=60)
     assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"

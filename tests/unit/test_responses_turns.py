@@ -53,7 +53,7 @@ def test_a_follow_up_continues_the_stored_conversation_behind_its_own_instructio
     assert asyncio.run(api.delete(first.id))["deleted"]
     with pytest.raises(OpenAIError) as err:
         asyncio.run(api.begin(ResponsesRequest(input="x", previous_response_id=first.id)))
-    assert err.value.status_code == 404 and err.value.code == "previous_response_not_found"
+    assert err.value.status_code == 400 and err.value.code == "previous_response_not_found"
 
 
 def test_a_record_the_store_refuses_leaves_the_response_unstored():
