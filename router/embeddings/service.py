@@ -59,6 +59,24 @@ def encode_base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
+# Characters some tokenizers drop rather than encode (BERT's WordPiece: whitespace, control and
+# format characters, accents' combining marks).
+_DROPPABLE = (" ", "\t", "\n", "\x00", "\u200b", "\ufeff", "\u0301")
+
+
+def max_token_chars(tokenizer: Any, probe_len: int = 64) -> int | None:
+    """The most characters one token of ``tokenizer`` stands for (its vocabulary's longest entry),
+    so that a text of more than ``max_model_len`` × that many characters is refused untokenized;
+    None where that bound does not hold: the tokenizer drops some characters (a run of
+    ``probe_len`` of one of :data:`_DROPPABLE` gives too few tokens: BERT's gives none for spaces),
+    so that a long text may still be a few tokens, and only tokenizing it tells."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    for ch in _DROPPABLE:
+        if len(tokenizer.encode(ch * probe_len, add_special_tokens=False)) * longest < probe_len:
+            return None
+    return longest
+
+
 class Embeddings:
     """The ``/v1/embeddings`` work of the ingress (see the module docstring).
 
@@ -72,8 +90,7 @@ class Embeddings:
         self.config = config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        # No token is longer than this many characters: a longer text has more tokens than that many characters allow.
-        self._max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self._max_token_chars = max_token_chars(tokenizer)
 
     def check(self, body: EmbeddingRequest) -> int:
         """The replica requests ``body`` asks for (one per input). Raises a 400 naming ``input``
@@ -103,7 +120,7 @@ class Embeddings:
         for i, item in enumerate(body.input):
             param = "input" if len(body.input) == 1 else f"input.{i}"
             if isinstance(item, str):
-                if len(item) > limit * self._max_token_chars:
+                if self._max_token_chars is not None and len(item) > limit * self._max_token_chars:
                     raise OpenAIError(f"{param}: {len(item)} characters cannot fit in this model's {limit} tokens",
                                       param=param, code="context_length_exceeded")
                 ids = await asyncio.to_thread(self._encode, item, param)

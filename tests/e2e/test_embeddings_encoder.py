@@ -80,3 +80,13 @@ def test_generation_and_dimensions_on_an_embedding_model_are_400(served):
         served.client.embeddings.create(model="all-MiniLM-L6-v2", input="hi", dimensions=64)
     with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
         served.client.embeddings.create(model="all-MiniLM-L6-v2", input=[[101] * 257])
+
+
+def test_a_long_text_of_few_tokens_is_embedded(served):
+    """BERT's tokenizer drops whitespace: 6000 spaces between two words are 4 tokens with [CLS] and
+    [SEP], embedded as "a b" is (not refused for its characters, as a byte-level model's text of
+    more than max_model_len x its longest token's characters is); past 256 tokens it is refused."""
+    spaced, plain = served.client.embeddings.create(model="all-MiniLM-L6-v2", input=["a" + " " * 6000 + "b", "a b"]).data
+    assert spaced.embedding == plain.embedding
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256"):
+        served.client.embeddings.create(model="all-MiniLM-L6-v2", input="word " * 300)
