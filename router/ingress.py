@@ -303,11 +303,10 @@ class OpenAIIngress:
         inputs' order (:mod:`router.embeddings.service`)."""
         self.fanout.admit()
         lora = await self.adapters.lora_request(body.model)
-        choices = self.embedder.check(body)
         await self.replicas.check_available()
-        await self.replicas.check_capacity(choices, "input")
         jobs = await self.embedder.prepare(body, await self.replicas.model_info(), lora)
-        return self.embedder.body(jobs, body, await self.fanout.run_all(jobs))
+        wave = self.replicas.seats + self.replicas.waiting  # what one replica holds
+        return self.embedder.body(jobs, body, await self.embedder.run(jobs, self.fanout.run_all, wave))
 
     def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[ChoiceStream]) -> EventStream:
         """The streamed response of ``events``, counted in flight while it runs; every replica

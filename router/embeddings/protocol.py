@@ -8,6 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+MAX_INPUTS = 2048
+"""OpenAI's limit on the inputs of one embeddings request (clients such as LangChain send batches
+of up to 1000)."""
+
 
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
@@ -53,6 +57,8 @@ class EmbeddingRequest(BaseModel):
             inputs = list(value)
         else:
             raise ValueError("must be a string, a list of strings, a list of token ids, or a list of token id lists")
+        if len(inputs) > MAX_INPUTS:
+            raise ValueError(f"must hold at most {MAX_INPUTS} inputs, got {len(inputs)}")
         for i, p in enumerate(inputs):
             if len(p) == 0:
                 raise ValueError(f"must not contain an empty {'string' if isinstance(p, str) else 'token list'} (input {i})")

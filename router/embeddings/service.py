@@ -2,7 +2,10 @@
 plan and the response body.
 
 Each input is one replica request (a batch of 64 inputs is 64 engine requests, run concurrently
-through :meth:`~router.dispatch.fanout.Fanout.run_all`, as a completion's prompts are): a
+through :meth:`~router.dispatch.fanout.Fanout.run_all`, as a completion's prompts are), in waves
+of at most what one replica holds (``max_num_seqs`` + ``max_waiting_requests``), one wave after
+the other, so that a request of up to OpenAI's 2048 inputs never asks for more seats than the
+deployment has (:func:`waves`): a
 prefill-only request (``SamplingParams`` with ``max_tokens`` 0) carrying
 :class:`~replica.protocol.pooling_params.PoolingParams`, whose finished output holds the pooled
 vector (``EngineOutput.embedding``). Text inputs are tokenized here, once, with the model's special
@@ -77,11 +80,26 @@ def max_token_chars(tokenizer: Any, probe_len: int = 64) -> int | None:
     return longest
 
 
+def waves(jobs: EmbeddingJobs, size: int) -> list[EmbeddingJobs]:
+    """``jobs`` cut into consecutive requests of at most ``size`` inputs (one if it is no larger),
+    ids ``<request_id>-w<k>``, each with ``jobs``' adapter and priority; their outputs, in order,
+    are ``jobs``' outputs."""
+    if len(jobs.prompts) <= size:
+        return [jobs]
+    out = []
+    for k, start in enumerate(range(0, len(jobs.prompts), size)):
+        wave = EmbeddingJobs(f"{jobs.request_id}-w{k}", jobs.model, jobs.prompts[start:start + size], jobs.pooling_params,
+                             jobs.block_size)
+        wave.lora_request, wave.priority = jobs.lora_request, jobs.priority
+        out.append(wave)
+    return out
+
+
 class Embeddings:
     """The ``/v1/embeddings`` work of the ingress (see the module docstring).
 
     Args:
-        config: the ingress settings (``max_choices_per_request`` caps the inputs of one request).
+        config: the ingress settings.
         tokenizer: the served model's tokenizer.
         model_name: the served model's name (the response's ``model`` for the base model).
     """
@@ -92,14 +110,13 @@ class Embeddings:
         self.model_name = model_name
         self._max_token_chars = max_token_chars(tokenizer)
 
-    def check(self, body: EmbeddingRequest) -> int:
-        """The replica requests ``body`` asks for (one per input). Raises a 400 naming ``input``
-        past ``max_choices_per_request``."""
-        cap = self.config.max_choices_per_request
-        if len(body.input) > cap:
-            raise OpenAIError(f"input: at most {cap} inputs per request, got {len(body.input)}", param="input",
-                              code="invalid_value")
-        return len(body.input)
+    async def run(self, jobs: EmbeddingJobs, run_all: Any, wave_size: int) -> list[EngineOutput]:
+        """Every input's output, in order: ``run_all(wave)`` (the fan-out's) for each of
+        :func:`waves` of ``wave_size`` inputs, one after the other."""
+        outputs: list[EngineOutput] = []
+        for wave in waves(jobs, max(1, wave_size)):
+            outputs += await run_all(wave)
+        return outputs
 
     async def prepare(self, body: EmbeddingRequest, info: dict[str, Any], lora_request: LoRARequest | None) -> EmbeddingJobs:
         """Tokenize the text inputs (in a worker thread) and check every input against the

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 CONFIG = ServeConfig(
     app_name="e2e-embeddings",
     engine=EngineConfig(dtype="float32", max_num_seqs=8, max_model_len=256, num_blocks=128, compile=False),
+    max_waiting_requests=24,  # a replica holds 32 requests: 64 inputs run in two waves
 )
 TEXTS = ["The capital of France is Paris.", "A cat sat on the mat.", "def add(a, b): return a + b"]
 
@@ -65,8 +66,9 @@ def test_float_and_base64_encodings_and_token_inputs(served, smollm2_tokenizer):
 
 
 def test_a_batch_of_64_inputs_returns_in_order(served):
-    """64 inputs (64 replica requests at once, 8 seats) come back in the inputs' order, each the
-    vector of that input alone; the replica counts them in ``carpool:embedding_*``."""
+    """64 inputs (64 replica requests in two waves of 32, what the replica holds: 8 seats and 24
+    waiting) come back in the inputs' order, each the vector of that input alone; the replica
+    counts them in ``carpool:embedding_*``."""
     before = served.metrics()
     inputs = [f"Item number {i} of the list is a {['cat', 'dog', 'bird', 'fish'][i % 4]}." for i in range(64)]
     batch = served.client.embeddings.create(model=served.model, input=inputs, encoding_format="float")
@@ -98,6 +100,7 @@ def test_a_batch_of_64_inputs_returns_in_order(served):
         (dict(input="hi", dimensions=32), "dimensions", "matryoshka"),
         (dict(input="hi", encoding_format="int8"), "encoding_format", "float"),
         (dict(input=[1.5]), "input", "must be a string"),
+        (dict(input=["x"] * 2049), "input", "at most 2048 inputs"),  # OpenAI's limit
         (dict(input="hi", extra_body={"priority": 3}), "priority", "scheduling policy"),  # fcfs: vLLM's rule
     ],
 )
