@@ -332,6 +332,9 @@ def run(config: ServeConfig) -> str:
         from replica.config.model_files import check_draft_model
 
         check_draft_model(config.engine.model, spec.model, config.engine.tokenizer)
+    from replica.pooling import check_pooling_settings
+
+    check_pooling_settings(config.engine)  # an embedding model with generation-only settings: said before Ray
     start_ray(config)
     check_tensor_parallel(config)
     serve.start(http_options={"host": config.host, "port": proxy_port})

@@ -277,6 +277,7 @@ class OpenAIIngress:
         except OpenAIError as exc:
             raise responses_error(exc, turn.origins) from None
         prepared.slo = slo
+        prepared.continuation = body.previous_response_id is not None  # routed to its conversation's replica
         turn.model = prepared.model
         if body.stream:
             streams = await self.fanout.open_streams(prepared)

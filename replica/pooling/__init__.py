@@ -15,11 +15,10 @@ if TYPE_CHECKING:
     from replica.pooling.engine import PoolingEngine
 
 
-def pooling_engine_for(config: EngineConfig, metrics: EngineMetrics | None = None) -> PoolingEngine | None:
-    """A :class:`~replica.pooling.engine.PoolingEngine` when ``config.model`` is a pooling model
-    (:func:`~replica.pooling.config.is_pooling_model`: vLLM's ``--runner auto`` rule), else None
-    (the model runs on :class:`~replica.engine.llm_engine.LLMEngine`). A ``.gguf`` file is a
-    generation model. Raises what the engine raises.
+def check_pooling_settings(config: EngineConfig) -> bool:
+    """Whether ``config.model`` is a pooling model (:func:`~replica.pooling.config.is_pooling_model`:
+    vLLM's ``--runner auto`` rule; a ``.gguf`` file is a generation model). ``carpool serve`` calls
+    it before starting Ray, so that a refused setting is said at once.
 
     Raises:
         ValueError: a pooling model with settings the pooling engine does not run
@@ -27,7 +26,7 @@ def pooling_engine_for(config: EngineConfig, metrics: EngineMetrics | None = Non
             ``"priority"`` scheduling policy: it takes requests in arrival order).
     """
     if config.model.endswith(".gguf") or not is_pooling_model(resolve_model_path(config.model, weights=False)):
-        return None
+        return False
     if (config.tensor_parallel_size > 1 or config.enable_lora or config.quantization or config.speculative_config
             or config.scheduling_policy == "priority"):
         raise ValueError(
@@ -35,9 +34,21 @@ def pooling_engine_for(config: EngineConfig, metrics: EngineMetrics | None = Non
             "quantization, speculative decoding and the priority scheduling policy are for generation models "
             "(the pooling engine takes its requests in arrival order)"
         )
+    return True
+
+
+def pooling_engine_for(config: EngineConfig, metrics: EngineMetrics | None = None) -> PoolingEngine | None:
+    """A :class:`~replica.pooling.engine.PoolingEngine` when ``config.model`` is a pooling model,
+    else None (the model runs on :class:`~replica.engine.llm_engine.LLMEngine`).
+
+    Raises:
+        ValueError: what :func:`check_pooling_settings` raises; what the engine raises.
+    """
+    if not check_pooling_settings(config):
+        return None
     from replica.pooling.engine import PoolingEngine
 
     return PoolingEngine(config, metrics=metrics)
 
 
-__all__ = ["pooling_engine_for"]
+__all__ = ["check_pooling_settings", "pooling_engine_for"]

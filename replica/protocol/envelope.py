@@ -41,20 +41,29 @@ class RoutingHints:
             root (:mod:`replica.protocol.prefix_hash`; ``LoRARequest.hash_root``); empty for a
             prompt shorter than a block.
         adapter: the LoRA adapter's name, or None for the base model.
+        continuation: the prompt continues a conversation this cluster served (a Responses
+            follow-up by ``previous_response_id``): its leading blocks are that conversation's own,
+            so any match of them counts, however short (the router's minimum match fraction is for
+            prompts that may share only a system prompt with others).
     """
 
     block_size: int
     prefix_hashes: tuple[bytes, ...]
     adapter: str | None = None
+    continuation: bool = False
 
     @classmethod
-    def of(cls, prompt_token_ids: Sequence[int], block_size: int, lora_request: LoRARequest | None = None) -> "RoutingHints":
+    def of(
+        cls, prompt_token_ids: Sequence[int], block_size: int, lora_request: LoRARequest | None = None,
+        continuation: bool = False,
+    ) -> "RoutingHints":
         """The hints of a prompt (token ids) run under ``lora_request`` (None: the base model)."""
         root = lora_request.hash_root if lora_request is not None else ROOT
         return cls(
             block_size=block_size,
             prefix_hashes=tuple(block_hashes(prompt_token_ids, block_size, root)),
             adapter=lora_request.lora_name if lora_request is not None else None,
+            continuation=continuation,
         )
 
 

@@ -70,6 +70,8 @@ class Prepared:
         slo: every choice's latency targets (``router/request/slo_headers.py``), or None.
         reply_role: a chat reply's ``role`` (:mod:`router.request.chat_flags`).
         echo_text: what ``echo`` puts before each chat choice's text (``""``: nothing).
+        continuation: the prompt continues a conversation this cluster served (routing hints:
+            :class:`~replica.protocol.envelope.RoutingHints`).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Prepared:
         self.slo: LatencyTargets | None = None
         self.reply_role = "assistant"
         self.echo_text = ""
+        self.continuation = False
         self._routing: dict[int, RoutingHints] = {}  # per prompt index, computed on first use
 
     def envelope(self, index: int, prompt_index: int, params: SamplingParams) -> RequestEnvelope:
@@ -98,7 +101,9 @@ class Prepared:
         prompt (its ``n`` choices share them). The request passed the checks of preparation."""
         routing = self._routing.get(prompt_index)
         if routing is None:
-            routing = self._routing[prompt_index] = RoutingHints.of(self.prompts[prompt_index], self.block_size, self.lora_request)
+            routing = self._routing[prompt_index] = RoutingHints.of(
+                self.prompts[prompt_index], self.block_size, self.lora_request, self.continuation,
+            )
         return RequestEnvelope(
             request_id=f"{self.request_id}-{index}", prompt_token_ids=self.prompts[prompt_index],
             sampling_params=params, routing=routing, lora_request=self.lora_request, priority=self.priority,

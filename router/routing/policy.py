@@ -55,7 +55,10 @@ Serve confirms the replica (``on_request_routed``). Rules, in order:
 * a match counts only if it covers at least ``prefix_min_match_fraction`` of the prompt's full
   blocks (SGLang's ``cache_threshold``, same default 0.3): a new conversation that shares only a
   short system prompt with earlier ones is placed by load, so new conversations spread evenly
-  instead of following the first replica that saw the system prompt;
+  instead of following the first replica that saw the system prompt. A continuation (a
+  Responses follow-up by ``previous_response_id``: ``RoutingHints.continuation``) counts any
+  match: its leading blocks are its own conversation's, and after short prompts with long
+  replies they are less than that fraction of the follow-up's prompt;
 * bounded imbalance: a replica whose load exceeds the least loaded one's of that tier by more
   than ``max(prefix_balance_abs_threshold, prefix_balance_rel_threshold * seats)`` requests does
   not compete on its match, so a hot prefix does not pile onto one replica while others idle;
@@ -305,7 +308,8 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
                 affinity.set_capacity(r.replica_id, int((r.routing_stats or {}).get("num_total_blocks") or 0))
             affinity.retain(self.curr_replicas)
             matches = [affinity.match(r.replica_id, hashes) for r in candidate_replicas]
-            min_match = max(1, math.ceil(self.prefix_min_match_fraction * len(hashes) - 1e-9))
+            continuation = envelope is not None and envelope.routing.continuation
+            min_match = 1 if continuation else max(1, math.ceil(self.prefix_min_match_fraction * len(hashes) - 1e-9))
         if matches is not None or holds is not None:
             ranks = rank_replicas(keyed, matches, self.max_imbalance(candidate_replicas), min_match, holds, slot_free)
         else:

@@ -72,6 +72,17 @@ def test_a_port_in_use_or_an_unknown_host_is_refused_before_ray_starts():
     assert result.returncode == 2 and "host: '192.0.2.1' is not an address of this machine" in result.stderr
 
 
+def test_an_embedding_model_with_generation_settings_is_refused_before_ray_starts():
+    """The pooling engine's refusals (replica/pooling/__init__.py) come before Ray, not as the
+    replicas' tracebacks half a minute later."""
+    started = time.monotonic()
+    result = run_cli("serve", "--model", "sentence-transformers/all-MiniLM-L6-v2", "--scheduling-policy", "priority")
+    assert result.returncode != 0, result.stderr
+    assert "failed to start: model 'sentence-transformers/all-MiniLM-L6-v2' is an embedding model" in result.stderr
+    assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 30
+
+
 def test_carpool_serve_with_config_file_and_api_key(tmp_path):
     port = free_port()
     config = tmp_path / "carpool.json"

@@ -262,7 +262,9 @@ def make_router(replicas, **kwargs) -> CarpoolRequestRouter:
 BLOCK_SIZE = 4  # the fake replicas' block_size
 
 
-def pending(request_id: str, prompt: list[int] | None, adapter: LoRARequest | None = None) -> SimpleNamespace:
+def pending(
+    request_id: str, prompt: list[int] | None, adapter: LoRARequest | None = None, continuation: bool = False,
+) -> SimpleNamespace:
     """A pending Serve request as the ingress makes it: ``generate(request=<envelope>, ...)``; with
     neither a prompt nor an adapter, a call of another method (``model_info``); an adapter without a
     prompt gets a one-token prompt (no full block: no prefix hashes)."""
@@ -272,7 +274,8 @@ def pending(request_id: str, prompt: list[int] | None, adapter: LoRARequest | No
         )
     prompt = [1] if prompt is None else prompt
     envelope = RequestEnvelope(
-        "rid-" + request_id, prompt, SamplingParams(), RoutingHints.of(prompt, BLOCK_SIZE, adapter), lora_request=adapter
+        "rid-" + request_id, prompt, SamplingParams(), RoutingHints.of(prompt, BLOCK_SIZE, adapter, continuation),
+        lora_request=adapter,
     )
     return SimpleNamespace(
         args=[], kwargs={"request": envelope, "announce": True, "channel": None},
@@ -422,3 +425,21 @@ def test_new_conversations_sharing_a_short_system_prompt_spread_by_load():
         route(router, replicas, pending(f"long-{c}", system + [c * 100 + i for i in range(8)])).name for c in range(40)
     )
     assert max(homes.values()) >= 39, homes  # 10 of 12 blocks match: the replica that holds them
+
+
+def test_a_continuation_follows_any_match_of_its_conversation():
+    """A Responses follow-up (``RoutingHints.continuation``) whose earlier turn is 2 of its 12
+    blocks (a short first prompt, a long reply) goes where that turn went; the same prompt without
+    the hint is under the 0.3 minimum and goes by load (here at random: the first turn has ended)."""
+    random.seed(7)
+    replicas = [FakeReplica("a"), FakeReplica("b")]
+    followed = {True: 0, False: 0}
+    for continuation in (True, False):
+        for c in range(40):
+            router = make_router(replicas)
+            first = [c * 1000 + i for i in range(8)]  # 2 blocks
+            home = route(router, replicas, pending(f"first-{c}", first))
+            follow_up = first + [c * 1000 + 500 + i for i in range(40)]  # 12 blocks, 2 of them matching
+            followed[continuation] += route(router, replicas, pending(f"next-{c}", follow_up, continuation=continuation)) is home
+    assert followed[True] == 40
+    assert 8 <= followed[False] <= 32, followed
