@@ -98,12 +98,14 @@ class AsyncLLMEngine:
     def model_info(self) -> dict[str, Any]:
         """``max_model_len`` (tokens), ``vocab_size`` and ``eos_token_ids``: what requests are checked
         against; ``embedding_only``: the engine is a pooling engine (``replica/pooling``), which
-        serves embedding requests alone."""
+        serves embedding requests alone; ``embedding_size``: ``[hidden size, Matryoshka sizes]``
+        (:func:`~replica.protocol.pooling_params.check_dimensions` takes them)."""
         return {
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.vocab_size,
             "eos_token_ids": list(self.engine.eos_token_ids),
             "embedding_only": bool(getattr(self.engine, "embedding_only", False)),
+            "embedding_size": list(self.engine.embedding_size()),
         }
 
     def has_pending_commands(self) -> bool:

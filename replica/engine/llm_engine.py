@@ -152,8 +152,12 @@ class LLMEngine(EngineReporting):
         are ones this model can give: ``dimensions`` only on a Matryoshka model
         (:func:`~replica.protocol.pooling_params.check_dimensions`). Raises ``RequestError``."""
         if params is not None:
-            config = self.runner.hf_config
-            check_dimensions(params, config.get_text_config().hidden_size, matryoshka_of(config))
+            check_dimensions(params, *self.embedding_size())
+
+    def embedding_size(self) -> tuple[int, list[int] | bool | None]:
+        """``(hidden size, Matryoshka sizes)`` of this model's embeddings (:func:`matryoshka_of`)."""
+        config = self.runner.hf_config
+        return config.get_text_config().hidden_size, matryoshka_of(config)
 
     def add_request(
         self, request_id: str | None = None, prompt: str | None = None, prompt_token_ids: list[int] | None = None,

@@ -109,6 +109,10 @@ class PoolingEngine:
                     " + normalize" if self.pooling.normalize else "", self.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------------
+    def embedding_size(self) -> tuple[int, list[int] | bool | None]:
+        """``(hidden size, Matryoshka sizes)`` of this model's embeddings (:func:`matryoshka_of`)."""
+        return self.hidden_size, self.matryoshka
+
     def check_pooling(self, params: PoolingParams | None) -> None:
         """Only embedding requests (``params`` not None), with ``dimensions`` the model can give
         (:func:`~replica.protocol.pooling_params.check_dimensions`). Raises ``RequestError``."""

@@ -31,7 +31,7 @@ from replica.protocol.envelope import RequestEnvelope
 from replica.protocol.errors import RequestError
 from replica.protocol.lora_request import LoRARequest
 from replica.protocol.outputs import EngineOutput
-from replica.protocol.pooling_params import PoolingParams, embedding_sampling_params
+from replica.protocol.pooling_params import PoolingParams, check_dimensions, embedding_sampling_params
 from replica.protocol.request_checks import check_priority, check_prompt_fits, check_token_ids
 from replica.protocol.sampling_params import SamplingParams
 from router.config import IngressConfig
@@ -126,10 +126,14 @@ class Embeddings:
             OpenAIError: 400 naming ``input`` (or ``input.<i>``): a token id outside the
                 vocabulary, an input longer than ``max_model_len`` tokens, a text the tokenizer
                 refuses; naming ``priority``: not 0 unless the replicas' ``scheduling_policy`` is
-                ``"priority"`` (:func:`~replica.protocol.request_checks.check_priority`).
+                ``"priority"`` (:func:`~replica.protocol.request_checks.check_priority`); naming
+                ``dimensions``: one the model cannot give (``info["embedding_size"]``).
         """
+        pooling = PoolingParams(dimensions=body.dimensions)
         try:
             priority = check_priority(body.priority, info.get("scheduling_policy", "fcfs"))
+            if "embedding_size" in info:  # the replica checks it again; here it costs no replica request
+                check_dimensions(pooling, *info["embedding_size"])
         except RequestError as exc:
             raise request_error(exc) from None
         prompts = []
@@ -150,7 +154,7 @@ class Embeddings:
                 raise request_error(exc) from None
             prompts.append(ids)
         model = self.model_name if lora_request is None else lora_request.lora_name
-        jobs = EmbeddingJobs(f"embd-{uuid.uuid4().hex}", model, prompts, PoolingParams(dimensions=body.dimensions),
+        jobs = EmbeddingJobs(f"embd-{uuid.uuid4().hex}", model, prompts, pooling,
                              info["block_size"])
         jobs.lora_request = lora_request
         jobs.priority = priority
