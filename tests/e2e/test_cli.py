@@ -126,7 +126,7 @@ def test_carpool_serve_with_config_file_and_api_key(tmp_path):
         # The local cluster's processes got SERVE_ENV from `carpool serve` (its Serve replicas:
         # the processes it started, directly or not, named ray::ServeReplica:...).
         replicas = {f"{p.name()} ({p.pid})": p.environ() for p in cluster_processes(proc.pid, "ray::ServeReplica:")}
-        assert len(replicas) == 2, replicas  # the ingress and one LLMReplica
+        assert len(replicas) == 3, replicas  # the ingress, one LLMReplica and the ResponseStore
         assert all({k: env.get(k) for k in SERVE_ENV} == SERVE_ENV for env in replicas.values()), replicas
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
