@@ -279,12 +279,18 @@ class OpenAIIngress:
         prepared.slo = slo
         prepared.continuation = body.previous_response_id is not None  # routed to its conversation's replica
         turn.model = prepared.model
+        try:  # a replica's refusal names the chat field too
+            if body.stream:
+                streams = await self.fanout.open_streams(prepared)
+            else:
+                outputs = await self.fanout.run_all(prepared)
+        except OpenAIError as exc:
+            raise responses_error(exc, turn.origins) from None
         if body.stream:
-            streams = await self.fanout.open_streams(prepared)
             chunks = self.responses.chat_events(prepared, turn.chat, self.fanout.deltas(streams), lambda: cancel_all(streams))
             frames = response_events.sse_frames(self.responses_api.events(turn, chunks))
             return EventStream(self.fanout.counted(frames), on_close=lambda: cancel_all(streams))
-        chat = self.responses.chat_body(prepared, turn.chat, await self.fanout.run_all(prepared))
+        chat = self.responses.chat_body(prepared, turn.chat, outputs)
         return await self.responses_api.finish(turn, chat)
 
     @app.get("/v1/responses/{response_id}", response_class=JSONBody)  # not pydantic's dump_json (the client's strings)
@@ -306,7 +312,9 @@ class OpenAIIngress:
         lora = await self.adapters.lora_request(body.model)
         await self.replicas.check_available()
         jobs = await self.embedder.prepare(body, await self.replicas.model_info(), lora)
-        wave = self.replicas.seats + self.replicas.waiting  # what one replica holds
+        view = await self.replicas.current()
+        running = view.running if view.known and view.running > 0 else 1
+        wave = running * (self.replicas.seats + self.replicas.waiting)  # what the running replicas hold
         return self.embedder.body(jobs, body, await self.embedder.run(jobs, self.fanout.run_all, wave))
 
     def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[ChoiceStream]) -> EventStream:

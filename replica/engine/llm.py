@@ -182,6 +182,8 @@ def embed_all(
     Raises:
         ValueError: a bad prompt (as :meth:`LLM.generate`), ``dimensions`` the model cannot give
             (``RequestError``); nothing is queued then.
+        RuntimeError: a request ended without its vector (its step failed), naming it (as
+            vLLM's ``LLM.embed``, which raises rather than return a partial result).
     """
     if (prompts is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompts or prompt_token_ids")
@@ -200,10 +202,9 @@ def embed_all(
         engine.add_prepared_request(request)
     while engine.has_unfinished_requests():
         engine.step()
-    return [
-        EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding), r.embedding is not None)
-        for r in requests
-    ]
+    if failed := [r.request_id for r in requests if r.embedding is None]:
+        raise RuntimeError(f"{len(failed)} embedding request(s) ended without a vector ({', '.join(failed[:4])}): see the log")
+    return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in requests]
 
 
 def _latency_metrics(request) -> dict[str, float]:

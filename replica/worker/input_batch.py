@@ -171,7 +171,8 @@ class InputBatch:
                 self.token_ids[rows[i], known : known + len(sched.spec_token_ids)] = sched.spec_token_ids
                 if sched.num_verified_drafts:
                     draft_spans.append((i, sched.num_verified_drafts))
-            if request.pooling_params is not None and sched.start + sched.num_new_tokens == request.num_prompt_tokens:
+            if (request.pooling_params is not None and not sched.is_padding
+                    and sched.start + sched.num_new_tokens == request.num_prompt_tokens):
                 pool_rows.append(i)
             if sched.is_padding:
                 static_padding_rows.append(i)

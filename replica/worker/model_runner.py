@@ -391,7 +391,7 @@ class ModelRunner:
                 **extra,
             ).logits[0]  # [num_logits_rows, vocab]
         if inputs.pool_rows:  # the final hidden states of the logits rows (replica.worker.pooler)
-            inputs.head_input = captured[-1]
+            inputs.head_input = captured[-1] if captured else None  # None: _pool fails those rows alone
         return logits
 
     def sample_later(self, launched: tuple[SchedulerOutput, ModelInputs, torch.Tensor]) -> PendingTokens:

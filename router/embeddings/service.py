@@ -3,9 +3,9 @@ plan and the response body.
 
 Each input is one replica request (a batch of 64 inputs is 64 engine requests, run concurrently
 through :meth:`~router.dispatch.fanout.Fanout.run_all`, as a completion's prompts are), in waves
-of at most what one replica holds (``max_num_seqs`` + ``max_waiting_requests``), one wave after
-the other, so that a request of up to OpenAI's 2048 inputs never asks for more seats than the
-deployment has (:func:`waves`): a
+of at most what the running replicas hold (each ``max_num_seqs`` + ``max_waiting_requests``), one
+wave after the other, so that a request of up to OpenAI's 2048 inputs never asks for more seats
+than the deployment has (:func:`waves`): a
 prefill-only request (``SamplingParams`` with ``max_tokens`` 0) carrying
 :class:`~replica.protocol.pooling_params.PoolingParams`, whose finished output holds the pooled
 vector (``EngineOutput.embedding``). Text inputs are tokenized here, once, with the model's special

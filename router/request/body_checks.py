@@ -155,3 +155,14 @@ class BodyChecks:
                 f"{self.config.max_choices_per_request} are allowed",
                 param=param, code="invalid_value",
             )
+
+
+def check_generates(info: dict[str, Any], model_name: str) -> None:
+    """The replicas generate: an embedding model's (``info["embedding_only"]``, a pooling
+    engine) serve ``/v1/embeddings`` alone. Raises a 400 naming ``model`` (the replica's own
+    refusal, before a chat template or a tokenizer could fail first)."""
+    if info.get("embedding_only"):
+        raise OpenAIError(
+            f"model: {model_name} is an embedding model: it serves /v1/embeddings only, not completions, chat or responses",
+            param="model", code="model_not_supported",
+        )

@@ -28,12 +28,12 @@ from replica.protocol.request_checks import check_priority, check_prompt_fits, c
 from replica.protocol.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, scores_prompt_only
 from replica.protocol.slo import LatencyTargets
 from router.config import IngressConfig
-from router.request.body_checks import parse_logit_bias
+from router.request.body_checks import check_generates, parse_logit_bias
 from router.request.chat_flags import chat_flags, template_variables
 from router.request.chat_template import ChatEncoder
 from router.request.errors import request_error, sampling_error
 from router.request.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, _SamplingRequest
-from router.request.structured import ToolPlan, constraint_of, tool_plan
+from router.request.structured import ToolPlan, chat_constraints, constrained, constraint_of
 from router.request.tool_templates import ToolTemplates
 
 CONSTRAINT_THREADS = 2  # threads that check constraints, apart from tokenization's (see RequestPreparer)
@@ -167,7 +167,7 @@ class RequestPreparer:
             OpenAIError: 400 for a prompt that does not fit or cannot be tokenized, or for
                 sampling parameters the engine refuses.
         """
-        self._check_generates(info)
+        check_generates(info, self.model_name)
         prompts, texts = [], []
         for i, p in enumerate(body.prompt):
             param = "prompt" if len(body.prompt) == 1 else f"prompt.{i}"
@@ -183,21 +183,11 @@ class RequestPreparer:
         if body.echo and body.logprobs is not None:  # echo scores the prompt too
             prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
         default = max(DEFAULT_MAX_TOKENS, body.min_tokens)
-        constraint = await self._in_constraint_thread(constraint_of, body) if _constrained(body) else None
+        constraint = await self._in_constraint_thread(constraint_of, body) if constrained(body) else None
         return self._prepare(
             "cmpl", body, prompts, texts, body.max_tokens, default, body.logprobs, prompt_logprobs, info, constraint=constraint,
             lora_request=lora_request,
         )
-
-    def _check_generates(self, info: dict[str, Any]) -> None:
-        """The replicas generate: an embedding model's (``info["embedding_only"]``, a pooling
-        engine) serve ``/v1/embeddings`` alone. Raises a 400 naming ``model`` (the replica's own
-        refusal, before a chat template or a tokenizer could fail first)."""
-        if info.get("embedding_only"):
-            raise OpenAIError(
-                f"model: {self.model_name} is an embedding model: it serves /v1/embeddings only, not completions or chat",
-                param="model", code="model_not_supported",
-            )
 
     async def chat(
         self, body: ChatCompletionRequest, info: dict[str, Any], lora_request: LoRARequest | None = None
@@ -208,8 +198,8 @@ class RequestPreparer:
         Raises:
             OpenAIError: 400 as :meth:`completion`, or when the chat template fails.
         """
-        self._check_generates(info)
-        plan, constraint = await self._in_constraint_thread(self._constraints, body) if _constrained(body) else (None, None)
+        check_generates(info, self.model_name)
+        plan, constraint = await self._in_constraint_thread(chat_constraints, body) if constrained(body) else (None, None)
         ids = await asyncio.to_thread(self._apply_chat_template, body, info, plan)
         self._check_prompt(ids, info, "messages", scores_only=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -224,19 +214,6 @@ class RequestPreparer:
         flags = chat_flags(body)
         prepared.reply_role, prepared.echo_text = flags.role, flags.echo_text
         return prepared
-
-    @staticmethod
-    def _constraints(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Any]:
-        """The chat request's tool plan and the one constraint on its reply (the tool choice's or
-        the format's; both at once is a 400 naming ``response_format``)."""
-        plan = tool_plan(body)
-        constraint = constraint_of(body)
-        if plan is not None and plan.mode != "none" and constraint is not None:
-            raise OpenAIError(
-                f"response_format: an output format cannot be combined with tool_choice {plan.mode!r}; "
-                "send tool_choice 'none' to get the format", param="response_format", code="invalid_value",
-            )
-        return plan, plan.constraint if plan is not None and plan.constraint is not None else constraint
 
     @staticmethod
     def _check_prompt(ids: list[int], info: dict[str, Any], param: str, scores_only: bool) -> None:
@@ -408,11 +385,3 @@ class RequestPreparer:
         prepared.lora_request = lora_request
         prepared.priority = priority
         return prepared
-
-
-def _constrained(body: _SamplingRequest) -> bool:
-    """The body sends a field that may constrain the output (checked in a worker thread)."""
-    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    return any(getattr(body, f) is not None for f in fields) or getattr(body, "tools", None) is not None or getattr(
-        body, "tool_choice", None
-    ) is not None

@@ -236,3 +236,24 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
     elif mode == "required":
         plan.constraint = _checked(_build("tools", json=_calls_schema(tools, body.parallel_tool_calls)), "tools")
     return plan
+
+
+def chat_constraints(body: ChatCompletionRequest) -> tuple[ToolPlan | None, Any]:
+    """The chat request's tool plan and the one constraint on its reply (the tool choice's or
+    the format's; both at once is a 400 naming ``response_format``)."""
+    plan = tool_plan(body)
+    constraint = constraint_of(body)
+    if plan is not None and plan.mode != "none" and constraint is not None:
+        raise OpenAIError(
+            f"response_format: an output format cannot be combined with tool_choice {plan.mode!r}; "
+            "send tool_choice 'none' to get the format", param="response_format", code="invalid_value",
+        )
+    return plan, plan.constraint if plan is not None and plan.constraint is not None else constraint
+
+
+def constrained(body: _SamplingRequest) -> bool:
+    """The body sends a field that may constrain the output (checked in a worker thread)."""
+    fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    return any(getattr(body, f) is not None for f in fields) or getattr(body, "tools", None) is not None or getattr(
+        body, "tool_choice", None
+    ) is not None

@@ -85,6 +85,17 @@ def _rename(exc: OpenAIError, old: str, new: str, rest: str) -> None:
     exc.args = (exc.message,)
 
 
+async def _stored(call) -> Any:
+    """``await call`` on the response store; a store that fails (its replica restarting, an
+    external store down) is a 503 the client may retry, not a 500."""
+    try:
+        return await call
+    except Exception as exc:
+        logger.warning("the response store failed: %r", exc)
+        raise OpenAIError(f"the response store is unavailable ({type(exc).__name__}); retry", 503,
+                          type="service_unavailable_error") from None
+
+
 def not_found(response_id: str) -> OpenAIError:
     return OpenAIError(f"Response with id '{response_id}' not found.", 404, code="not_found")
 
@@ -194,7 +205,7 @@ class ResponsesAPI:
                 "previous_response_id: this server stores no responses (response_store: none)",
                 param="previous_response_id", code="unsupported_parameter",
             )
-        record = await self.store.get(response_id)
+        record = await _stored(self.store.get(response_id))
         if record is None:
             raise OpenAIError(
                 f"Previous response with id '{response_id}' not found.", 400,
@@ -282,20 +293,20 @@ class ResponsesAPI:
         Raises:
             OpenAIError: 400 ``unsupported_parameter`` for ``stream`` other than false (OpenAI
                 replays a response's events; this server does not, and its JSON would read as an
-                empty stream); 404 when the response is not stored.
+                empty stream); 404 when the response is not stored; 503 when the store fails.
         """
         if stream is not None and stream.lower() not in ("false", "0"):
             raise OpenAIError(
                 "stream: a stored response is not replayed as events; GET it without stream",
                 param="stream", code="unsupported_parameter",
             )
-        record = await self.store.get(response_id) if self.store is not None else None
+        record = await _stored(self.store.get(response_id)) if self.store is not None else None
         if record is None:
             raise not_found(response_id)
         return json.loads(record)["response"]
 
     async def delete(self, response_id: str) -> dict[str, Any]:
-        """``DELETE /v1/responses/{id}``: forget it. Raises 404 when not stored."""
-        if self.store is None or not await self.store.delete(response_id):
+        """``DELETE /v1/responses/{id}``: forget it. Raises 404 when not stored, 503 when the store fails."""
+        if self.store is None or not await _stored(self.store.delete(response_id)):
             raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}

@@ -110,3 +110,21 @@ def test_a_streamed_get_is_refused_not_answered_as_json():
     with pytest.raises(OpenAIError) as err:
         asyncio.run(api.retrieve("resp_x", "false"))
     assert err.value.status_code == 404
+
+
+def test_a_store_that_fails_is_a_503_to_retry_not_a_500():
+    """The store's replica restarting (or an external store down) while a follow-up, GET or DELETE
+    reads it."""
+
+    class Down(Store):
+        async def get(self, key: str) -> bytes | None:
+            raise ConnectionError("store replica restarting")
+
+        async def delete(self, key: str) -> bool:
+            raise ConnectionError("store replica restarting")
+
+    api = ResponsesAPI(Down(), "m", 10**6)
+    for call in (api.begin(ResponsesRequest(input="x", previous_response_id="resp_1")), api.retrieve("resp_1"), api.delete("resp_1")):
+        with pytest.raises(OpenAIError) as err:
+            asyncio.run(call)
+        assert err.value.status_code == 503 and "retry" in err.value.message

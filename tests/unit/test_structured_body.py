@@ -12,7 +12,7 @@ import pytest
 from replica.protocol.constraints import StructuredOutputsParams
 from router.request.preparation import RequestPreparer
 from router.request.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
-from router.request.structured import ToolPlan, constraint_of, tool_plan
+from router.request.structured import ToolPlan, chat_constraints, constraint_of, tool_plan
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
@@ -282,18 +282,18 @@ def test_bad_tools_are_a_400_naming_the_field(body, param):
     assert str(error).startswith(param + ":")
 
 
-# ---- the chat request's one constraint (RequestPreparer._constraints) ---------------------------------
+# ---- the chat request's one constraint (structured.chat_constraints) ---------------------------------
 
 
 def test_tool_choice_constraint_wins_and_formats_conflict_with_tools():
-    plan, constraint = RequestPreparer._constraints(chat(tools=[WEATHER], tool_choice="required"))
+    plan, constraint = chat_constraints(chat(tools=[WEATHER], tool_choice="required"))
     assert constraint is plan.constraint and constraint.json["type"] == "array"
-    plan, constraint = RequestPreparer._constraints(chat(tools=[WEATHER], tool_choice="none", guided_regex="a+"))
+    plan, constraint = chat_constraints(chat(tools=[WEATHER], tool_choice="none", guided_regex="a+"))
     assert plan.mode == "none" and constraint.regex == "a+"
-    plan, constraint = RequestPreparer._constraints(chat(tools=[WEATHER]))
+    plan, constraint = chat_constraints(chat(tools=[WEATHER]))
     assert plan.mode == "auto" and constraint is None
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
-        error = refused(RequestPreparer._constraints, chat(tools=[WEATHER], tool_choice=choice, response_format={"type": "json_object"}))
+        error = refused(chat_constraints, chat(tools=[WEATHER], tool_choice=choice, response_format={"type": "json_object"}))
         assert error.param == "response_format"
 
 
@@ -304,6 +304,7 @@ def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2
     import threading
 
     import router.request.preparation
+    import router.request.structured
     from router.config import IngressConfig
 
     seen: list[str] = []
@@ -312,7 +313,8 @@ def test_constraints_are_checked_on_their_own_threads_not_the_tokenizers(smollm2
         seen.append(threading.current_thread().name)
         return constraint_of(body)
 
-    monkeypatch.setattr(router.request.preparation, "constraint_of", recording)
+    monkeypatch.setattr(router.request.preparation, "constraint_of", recording)  # completions
+    monkeypatch.setattr(router.request.structured, "constraint_of", recording)  # chat, through chat_constraints
     preparer = RequestPreparer(IngressConfig(), smollm2_tokenizer, "m")
     info = {"max_model_len": 256, "vocab_size": 49152, "block_size": 16}
     body = CompletionRequest(model="m", prompt="Pick:", guided_choice=["yes", "no"])

@@ -15,7 +15,7 @@ import pytest
 from router.config import IngressConfig
 from router.request.preparation import RequestPreparer
 from router.request.protocol import ChatCompletionRequest, OpenAIError
-from router.request.structured import ToolPlan
+from router.request.structured import ToolPlan, chat_constraints
 from router.request.tool_templates import CHATML_TOOLS, ToolTemplates
 from router.response.tool_calls import ToolCallStream, array_items, parse_reply
 
@@ -302,7 +302,7 @@ def tool_chat(description: str = "Current weather in a city.", argument: str = "
 def prompt_ids(tokenizer, messages, **body) -> list[int]:
     request = ChatCompletionRequest(model="m", messages=messages, **body)
     preparer = RequestPreparer(IngressConfig(), tokenizer, "m")
-    plan, _ = preparer._constraints(request)
+    plan, _ = chat_constraints(request)
     return preparer._apply_chat_template(request, INFO, plan)
 
 
