@@ -38,6 +38,7 @@ from replica.protocol.outputs import EngineOutput, FinishReason
 from replica.protocol.pooling_params import PoolingParams, check_dimensions, matryoshka_of
 from replica.protocol.sampling_params import SamplingParams
 from replica.worker.model_loader import resolve_dtype
+from replica.worker.pooler import pool
 
 logger = logging.getLogger(__name__)
 
@@ -237,15 +238,7 @@ class PoolingEngine:
             pooled = hidden[:, 0]
         else:
             pooled = hidden[torch.arange(len(batch), device=device), (lengths - 1).to(device)]
-        out = []
-        for row, r in zip(pooled, batch):
-            params = r.pooling_params
-            if params.dimensions is not None:
-                row = row[: params.dimensions]
-            if params.normalize and self.pooling.normalize:
-                row = torch.nn.functional.normalize(row, dim=-1)
-            out.append(row.cpu().tolist())
-        return out
+        return pool(pooled, [r.pooling_params for r in batch], normalize=self.pooling.normalize)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED

@@ -38,16 +38,17 @@ def capture_head_input(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         handle.remove()
 
 
-def pool(hidden: torch.Tensor, params: Sequence[PoolingParams]) -> list[list[float]]:
+def pool(hidden: torch.Tensor, params: Sequence[PoolingParams], normalize: bool = True) -> list[list[float]]:
     """Each row of ``hidden`` ``[n, hidden_size]`` (any float dtype) as one request's embedding,
     in float32: its first ``params[i].dimensions`` components (all where None), L2-normalized
-    where ``params[i].normalize`` (``torch.nn.functional.normalize``, eps 1e-12)."""
+    where ``params[i].normalize`` and ``normalize`` (the model's own pipeline normalizes:
+    ``replica/pooling/config.py``; ``torch.nn.functional.normalize``, eps 1e-12)."""
     rows = hidden.float()
     out = []
     for row, p in zip(rows, params, strict=True):
         if p.dimensions is not None:
             row = row[: p.dimensions]
-        if p.normalize:
+        if p.normalize and normalize:
             row = torch.nn.functional.normalize(row, dim=-1)
         out.append(row.cpu().tolist())
     return out
