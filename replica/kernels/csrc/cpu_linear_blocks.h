@@ -1,16 +1,79 @@
-// What the kernels for GGUF's blocks (cpu_linear_q4.cpp, cpu_linear_q8.cpp) share: the walk over
-// groups of 16 outputs and blocks of rows, and the store of one group's outputs.
+// What the kernels for GGUF's blocks (cpu_linear_q4.cpp, cpu_linear_q8.cpp) share: their operands'
+// checks and setup, each row's block sums of x, the walk over groups of 16 outputs and blocks of
+// rows, and the store of one group's outputs.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 namespace carpool_blocks {
+
+// The output of an x without rows: [..., out_features] of x's dtype.
+inline at::Tensor empty_output(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out_features;
+  return at::empty(shape, x.options());
+}
+
+// A block op's operands, checked: x [..., K] as `x2` [rows, K] (contiguous), the output `y`
+// [..., out_features] of x's dtype, the bias in float32 (`bias_f`, undefined without one) and the
+// raw pointers the row kernels read.
+struct Operands {
+  int64_t K, rows, groups, blocks;
+  at::Tensor x2, y, bias_f;
+  const uint8_t* q;
+  const uint16_t* d;
+  const float* bias;
+};
+
+// Checks `qweight` ([G, B, steps, 16, 2] uint8 from replica.quant.blocks.pack_weight: steps 8
+// quarters for 4 bits, 16 k-pairs for 8), `scales` (fp16 [G, B, 16]) and `bias` (out_features
+// values) against x and out_features; `op` names the op in the errors (RuntimeError).
+inline Operands check_operands(const char* op, const at::Tensor& x, const at::Tensor& qweight, int64_t steps,
+                               const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == steps && qweight.size(3) == 16 && qweight.size(4) == 2 &&
+                  qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              op, ": qweight must come from replica.quant.blocks.pack_weight");
+  Operands o;
+  o.K = x.size(-1);
+  o.groups = qweight.size(0);
+  o.blocks = qweight.size(1);
+  TORCH_CHECK(o.K == o.blocks * 32 && o.groups == (out_features + 15) / 16, op, ": x [..., ", o.K, "] and out_features ",
+              out_features, " do not match the packed weight ", qweight.sizes());
+  o.rows = o.K ? x.numel() / o.K : 0;
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef({o.groups, o.blocks, 16}) && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kHalf,
+              op, ": scales must be fp16 [", o.groups, ", ", o.blocks, ", 16]");
+  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, op, ": bias must have ",
+              out_features, " elements");
+  o.x2 = x.reshape({o.rows, o.K}).contiguous();
+  o.y = empty_output(x, out_features);
+  if (bias.has_value() && bias->defined()) o.bias_f = bias->to(at::kFloat).contiguous();
+  o.q = qweight.data_ptr<uint8_t>();
+  o.d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  o.bias = o.bias_f.defined() ? o.bias_f.data_ptr<float>() : nullptr;
+  return o;
+}
+
+// Each row's block sums of x [rows, K] (float32 or bf16), in ascending k: xsum [rows, K / 32].
+template <typename T>
+inline void block_sums(const T* x, int64_t rows, int64_t K, float* xsum) {
+  const int64_t blocks = K / 32;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0.f;
+      for (int64_t k = 0; k < 32; ++k) s += static_cast<float>(x[r * K + b * 32 + k]);
+      xsum[r * blocks + b] = s;
+    }
+}
 
 // Rows computed under one pass over a group's weights: three float32 accumulators per row (the
 // total and the block's sum, kept as two chains) must stay in the 32 vector registers with the
@@ -112,17 +175,6 @@ inline void store_rows_avx2(const __m256* acc, const float* bias, float* y, int6
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256 bv = bias ? _mm256_maskload_ps(bias + first, mask) : _mm256_setzero_ps();
   for (int m = 0; m < M; ++m) _mm256_maskstore_ps(y + m * N + first, mask, bias ? _mm256_add_ps(acc[m], bv) : acc[m]);
-}
-
-// Each row's block sums of x [rows, K] (float32), in ascending k: xsum [rows, K / 32].
-inline void block_sums(const float* x, int64_t rows, int64_t K, float* xsum) {
-  const int64_t blocks = K / 32;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      float s = 0.f;
-      for (int64_t k = 0; k < 32; ++k) s += x[r * K + b * 32 + k];
-      xsum[r * blocks + b] = s;
-    }
 }
 #endif
 

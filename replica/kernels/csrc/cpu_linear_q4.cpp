@@ -166,10 +166,8 @@ void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restric
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t out_features,
                      int64_t offset) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  TORCH_CHECK(!shape.empty(), "q4_linear: x must have a feature dimension");
-  shape.back() = out_features;
-  if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
+  TORCH_CHECK(x.dim() > 0, "q4_linear: x must have a feature dimension");
+  if (x.numel() == 0 && x.size(-1) > 0) return carpool_blocks::empty_output(x, out_features);  // no rows: no outputs
   TORCH_CHECK(has_q4_gemv(x.scalar_type()), "q4_linear: this build has no 4-bit kernel for x of ", x.scalar_type(),
               " (bf16 and float32 need AVX512F, or AVX2 with FMA and F16C)");
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
@@ -177,29 +175,18 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     return q4_linear(x.to(at::kFloat), qweight, scales, mins, bias, out_features, offset).to(at::kBFloat16);
 #endif
 #if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
-  TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 8 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
-                  qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
-              "q4_linear: qweight must come from replica.quant.blocks.pack_weight");
-  const int64_t K = x.size(-1), rows = x.numel() / K, groups = qweight.size(0), blocks = qweight.size(1);
-  TORCH_CHECK(K == blocks * 32 && groups == (out_features + 15) / 16, "q4_linear: x [..., ", K, "] and out_features ",
-              out_features, " do not match the packed weight ", qweight.sizes());
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({groups, blocks, 16}) && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kHalf,
-              "q4_linear: scales must be fp16 [", groups, ", ", blocks, ", 16]");
+  const auto o = carpool_blocks::check_operands("q4_linear", x, qweight, 8, scales, bias, out_features);
+  const int64_t K = o.K, rows = o.rows, groups = o.groups, blocks = o.blocks;
   const bool has_mins = mins.has_value() && mins->defined();
   TORCH_CHECK(!has_mins || (mins->sizes() == scales.sizes() && mins->is_contiguous() && mins->scalar_type() == at::kHalf),
               "q4_linear: mins must be shaped as scales");
   TORCH_CHECK(offset >= 0 && offset <= 16, "q4_linear: offset must be in [0, 16]");
-  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, "q4_linear: bias must have ",
-              out_features, " elements");
-  auto x2 = x.reshape({rows, K}).contiguous();
-  auto y = at::empty(shape, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint8_t* qp = o.q;
+  const uint16_t* dp = o.d;
   const auto* mp = has_mins ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr;
-  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const float* bb = o.bias;
+  const at::Tensor& x2 = o.x2;
+  const at::Tensor& y = o.y;
   // Each row's block sums of x (for the minimum's term), in ascending k.
   auto xsum = at::empty({rows, blocks}, x.options().dtype(at::kFloat));
   float* xs = xsum.data_ptr<float>();
@@ -216,16 +203,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return y;
 #elif defined(__AVX512F__)
   if (has_mins) {
-    auto block_sums = [&](const auto* xp) {
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-          float s = 0.f;
-          for (int64_t k = 0; k < 32; ++k) s += static_cast<float>(xp[r * K + b * 32 + k]);
-          xs[r * blocks + b] = s;
-        }
-    };
-    if (x2.scalar_type() == at::kFloat) block_sums(x2.data_ptr<float>());
-    else block_sums(x2.data_ptr<at::BFloat16>());
+    if (x2.scalar_type() == at::kFloat) carpool_blocks::block_sums(x2.data_ptr<float>(), rows, K, xs);
+    else carpool_blocks::block_sums(x2.data_ptr<at::BFloat16>(), rows, K, xs);
   }
   if (x.scalar_type() == at::kFloat) {
     alignas(64) float values[16];

@@ -139,10 +139,8 @@ void q8_rows_avx2(const float* __restrict x, int64_t K, const uint8_t* __restric
 // x [..., K] (bf16 or float32) @ W.T (+ bias) -> [..., N] of x's dtype, W in the packed 8-bit layout above.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const std::optional<at::Tensor>& bias, int64_t out_features) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  TORCH_CHECK(!shape.empty(), "q8_linear: x must have a feature dimension");
-  shape.back() = out_features;
-  if (x.numel() == 0 && x.size(-1) > 0) return at::empty(shape, x.options());  // no rows: no outputs
+  TORCH_CHECK(x.dim() > 0, "q8_linear: x must have a feature dimension");
+  if (x.numel() == 0 && x.size(-1) > 0) return carpool_blocks::empty_output(x, out_features);  // no rows: no outputs
   TORCH_CHECK(has_q8_gemv(x.scalar_type()), "q8_linear: this build has no 8-bit kernel for x of ", x.scalar_type(),
               " (bf16 and float32 need AVX512F, or AVX2 with FMA and F16C)");
 #if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
@@ -150,24 +148,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     return q8_linear(x.to(at::kFloat), qweight, scales, bias, out_features).to(at::kBFloat16);
 #endif
 #if defined(__AVX512F__) || defined(CARPOOL_BLOCKS_AVX2)
-  TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == 16 && qweight.size(3) == 16 && qweight.size(4) == 2 &&
-                  qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
-              "q8_linear: qweight must come from replica.quant.blocks.pack_weight");
-  const int64_t K = x.size(-1), rows = x.numel() / K, groups = qweight.size(0), blocks = qweight.size(1);
-  TORCH_CHECK(K == blocks * 32 && groups == (out_features + 15) / 16, "q8_linear: x [..., ", K, "] and out_features ",
-              out_features, " do not match the packed weight ", qweight.sizes());
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({groups, blocks, 16}) && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kHalf,
-              "q8_linear: scales must be fp16 [", groups, ", ", blocks, ", 16]");
-  TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, "q8_linear: bias must have ",
-              out_features, " elements");
-  auto x2 = x.reshape({rows, K}).contiguous();
-  auto y = at::empty(shape, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) bias_f = bias->to(at::kFloat).contiguous();
-  const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const float* bb = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const auto o = carpool_blocks::check_operands("q8_linear", x, qweight, 16, scales, bias, out_features);
+  const int64_t K = o.K, rows = o.rows, groups = o.groups, blocks = o.blocks;
+  const uint8_t* qp = o.q;
+  const uint16_t* dp = o.d;
+  const float* bb = o.bias;
+  const at::Tensor& x2 = o.x2;
+  const at::Tensor& y = o.y;
 #endif
 #if defined(CARPOOL_BLOCKS_AVX2)
   const float* xf = x2.data_ptr<float>();
