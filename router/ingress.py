@@ -60,7 +60,7 @@ from router.lora.adapters import Adapters
 from router.ray_compat import reuse_address_for_direct_ingress
 from router.request.body_checks import BodyChecks
 from router.request.errors import JSONBody, configure, install
-from router.request.preparation import RequestPreparer
+from router.request.preparation import Prepared, RequestPreparer
 from router.request.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -247,12 +247,7 @@ class OpenAIIngress:
         Latency targets come from the headers (``router/request/slo_headers.py``)."""
         slo = latency_targets(http.headers)
         self.fanout.admit()
-        lora = await self.adapters.lora_request(body.model)
-        choices, param = self.checks.check_chat(body)
-        await self.replicas.check_available()
-        await self.replicas.check_capacity(choices, param)
-        prepared = await self.preparer.chat(body, await self.replicas.model_info(), lora)
-        prepared.slo = slo
+        prepared = await self._prepared_chat(body, slo)
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.chat_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
@@ -269,14 +264,9 @@ class OpenAIIngress:
         self.fanout.admit()
         turn = await self.responses_api.begin(body)
         try:
-            lora = await self.adapters.lora_request(turn.chat.model)
-            choices, param = self.checks.check_chat(turn.chat)
-            await self.replicas.check_available()
-            await self.replicas.check_capacity(choices, param)
-            prepared = await self.preparer.chat(turn.chat, await self.replicas.model_info(), lora)
+            prepared = await self._prepared_chat(turn.chat, slo)
         except OpenAIError as exc:
             raise responses_error(exc, turn.origins) from None
-        prepared.slo = slo
         prepared.continuation = body.previous_response_id is not None  # routed to its conversation's replica
         turn.model = prepared.model
         try:  # a replica's refusal names the chat field too
@@ -288,8 +278,7 @@ class OpenAIIngress:
             raise responses_error(exc, turn.origins) from None
         if body.stream:
             chunks = self.responses.chat_events(prepared, turn.chat, self.fanout.deltas(streams), lambda: cancel_all(streams))
-            frames = response_events.sse_frames(self.responses_api.events(turn, chunks))
-            return EventStream(self.fanout.counted(frames), on_close=lambda: cancel_all(streams))
+            return self._stream(response_events.sse_frames(self.responses_api.events(turn, chunks)), streams)
         chat = self.responses.chat_body(prepared, turn.chat, outputs)
         return await self.responses_api.finish(turn, chat)
 
@@ -317,7 +306,22 @@ class OpenAIIngress:
         wave = running * (self.replicas.seats + self.replicas.waiting)  # what the running replicas hold
         return self.embedder.body(jobs, body, await self.embedder.run(jobs, self.fanout.run_all, wave))
 
+    async def _prepared_chat(self, body: ChatCompletionRequest, slo: Any) -> Prepared:
+        """A chat body (``/v1/chat/completions``'s, or the one a Responses turn runs as) checked,
+        templated and tokenized, with its adapter and latency targets ``slo``. Raises OpenAIError."""
+        lora = await self.adapters.lora_request(body.model)
+        choices, param = self.checks.check_chat(body)
+        await self.replicas.check_available()
+        await self.replicas.check_capacity(choices, param)
+        prepared = await self.preparer.chat(body, await self.replicas.model_info(), lora)
+        prepared.slo = slo
+        return prepared
+
     def _sse(self, events: AsyncIterator[dict[str, Any]], streams: list[ChoiceStream]) -> EventStream:
-        """The streamed response of ``events``, counted in flight while it runs; every replica
+        """The streamed response of ``events`` as ``data:`` frames (:func:`_stream`)."""
+        return self._stream(sse_frames(events), streams)
+
+    def _stream(self, frames: AsyncIterator[str], streams: list[ChoiceStream]) -> EventStream:
+        """The streamed response of ``frames``, counted in flight while it runs; every replica
         stream of the request is cancelled however it ends."""
-        return EventStream(self.fanout.counted(sse_frames(events)), on_close=lambda: cancel_all(streams))
+        return EventStream(self.fanout.counted(frames), on_close=lambda: cancel_all(streams))
