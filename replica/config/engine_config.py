@@ -105,13 +105,15 @@ class EngineConfig(BaseModel):
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
-    quantization: Literal["gguf"] | None = Field(
+    quantization: Literal["gguf", "int8", "int4"] | None = Field(
         None,
         description=(
             "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1 and Q8_0 blocks, "
             "on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
             "tensor_parallel_size 1); the model is a .gguf file or the default model (its package ships a "
-            "Q4_1 file). Unset: GGUF weights are de-quantized to dtype at load."
+            "Q4_1 file). int8, int4: quantize a full-precision model's linear layers at load into blocks "
+            "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels. Unset: "
+            "GGUF weights are de-quantized to dtype at load."
         ),
     )
     tensor_parallel_size: int = Field(
@@ -258,11 +260,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
-        if self.quantization == "gguf" and DTYPE_NAMES[self.dtype] == "float16":
-            raise ValueError("quantization gguf computes with bfloat16 or float32 activations, not float16")
-        if self.quantization == "gguf" and (self.device != "cpu" or self.tensor_parallel_size > 1):
+        if self.quantization and DTYPE_NAMES[self.dtype] == "float16":
+            raise ValueError(f"quantization {self.quantization} computes with bfloat16 or float32 activations, not float16")
+        if self.quantization and (self.device != "cpu" or self.tensor_parallel_size > 1):
             raise ValueError(
-                "quantization gguf runs on device cpu at tensor_parallel_size 1 for now "
+                f"quantization {self.quantization} runs on device cpu at tensor_parallel_size 1 for now "
                 f"(got device {self.device!r}, tensor_parallel_size {self.tensor_parallel_size})"
             )
         if self.enable_lora and self.tensor_parallel_size > 1:

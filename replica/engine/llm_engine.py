@@ -77,6 +77,7 @@ class LLMEngine(EngineReporting):
             attention_backend=cfg.attention_backend, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
             max_num_seqs=cfg.max_num_seqs, tensor_parallel_size=cfg.tensor_parallel_size, launch_ranks=launch_ranks,
             lora=runner_lora(cfg), gguf_file=str(quantized_from) if quantized_from else None,
+            quantization=cfg.quantization,
         )
         try:
             self.max_model_len = decide_max_model_len(

@@ -4,6 +4,8 @@
 ``carpool_cpu::q4_linear`` and ``carpool_cpu::q8_linear`` (``replica/kernels/csrc/cpu_linear_q4.cpp``
 and ``cpu_linear_q8.cpp``, where the layouts are drawn).
 
+* :func:`quantize_q8_0` and :func:`quantize_q4_1` make the blocks of a full-precision weight, as
+  llama.cpp's reference quantizers do (``--quantization int8|int4``, :mod:`replica.quant.online`).
 * :func:`split_gguf_blocks` reads a tensor's raw GGUF blocks (``[N, K / 32 * bytes per block]``
   uint8, as ``gguf.GGUFReader`` gives them) into a :class:`BlockWeight`. The block layouts are
   ggml's (``ggml-common.h``: ``block_q4_0``, ``block_q4_1``, ``block_q8_0``): ``d``, then ``m``
@@ -11,7 +13,9 @@ and ``cpu_linear_q8.cpp``, where the layouts are drawn).
   0..15 and high nibbles 16..31, for Q8_0 32 signed bytes.
 * :func:`pack_weight` lays a weight out for its kernel; :func:`dequantize` gives the weights it
   stands for (float32), the reference the kernels are tested against.
-* :func:`use_blocks` routes an ``nn.Linear`` through its kernel and releases its dense weight.
+* :func:`use_blocks` routes an ``nn.Linear`` through its kernel and releases its dense weight;
+  :func:`embed_from_blocks` has a tied input embedding read its rows from the output layer's Q8_0
+  blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +46,47 @@ class BlockWeight:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Q8_0 blocks of ``weight`` ``[N, K]`` (K a multiple of 32): for each block of 32, ``d =
+    max |w| / 127`` and ``q = round(w / d)`` (halves away from zero), ``d`` stored as fp16; llama.cpp's
+    ``quantize_row_q8_0_ref`` (``ggml-quants.c``), computed in float32.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or ``K`` is not a multiple of 32.
+    """
+    blocks = _blocks_of(weight)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    scaled = blocks * inverse
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int16)  # roundf: halves away from zero
+    n = weight.shape[0]
+    return BlockWeight((q + 128).to(torch.uint8).reshape(n, -1), d.squeeze(-1).half(), None, 128, 8)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> BlockWeight:
+    """Q4_1 blocks of ``weight`` ``[N, K]`` (K a multiple of 32): for each block of 32, its minimum
+    ``m`` and ``d = (max - m) / 15``, ``q = min(15, trunc((w - m) / d + 0.5))``, ``d`` and ``m`` stored
+    as fp16; llama.cpp's ``quantize_row_q4_1_ref`` (``ggml-quants.c``), computed in float32.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or ``K`` is not a multiple of 32.
+    """
+    blocks = _blocks_of(weight)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = (high - low) / 15
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = ((blocks - low) * inverse + 0.5).floor().clamp(max=15).to(torch.uint8)  # the values are >= 0: trunc = floor
+    n = weight.shape[0]
+    return BlockWeight(q.reshape(n, -1), d.squeeze(-1).half(), low.squeeze(-1).half(), 0, 4)
+
+
+def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` as float32 ``[N, K / 32, 32]``."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"a weight of {tuple(weight.shape)} is not rows of whole {BLOCK}-element blocks")
+    return weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
 
 
 def split_gguf_blocks(raw: torch.Tensor, type_name: str) -> BlockWeight:
@@ -144,3 +189,29 @@ def use_blocks(module: torch.nn.Linear, weight: BlockWeight) -> None:
     module.carpool_out_features, module.carpool_in_features = weight.shape
     module.forward = types.MethodType(_q4_forward if weight.bits == 4 else _q8_forward, module)
     module.weight = torch.nn.Parameter(module.weight.data.new_empty(0), requires_grad=False)
+
+
+def embed_from_blocks(embedding: torch.nn.Module, head: torch.nn.Linear, dtype: torch.dtype) -> bool:
+    """Have a plain ``nn.Embedding`` tied to ``head`` read its rows from the head's Q8_0 blocks
+    (:func:`_embed_from_blocks`) and release its dense weight; False (nothing changed) where the
+    head is not on the 8-bit kernel or the embedding is another module."""
+    if getattr(head.forward, "__func__", None) is not _q8_forward or type(embedding) is not torch.nn.Embedding:
+        return False
+    embedding.carpool_q_rows = (head.carpool_q_weight, head.carpool_q_scales)
+    embedding.carpool_dtype = dtype
+    embedding.forward = types.MethodType(_embed_from_blocks, embedding)
+    embedding.weight = torch.nn.Parameter(embedding.weight.data.new_empty(0), requires_grad=False)
+    return True
+
+
+def _embed_from_blocks(self: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The input embedding of a tied model whose output layer reads Q8_0 blocks, from those blocks:
+    token ``t``'s row is output ``t`` of the packed weight (``[G, B, 16, 16, 2]``: group ``t // 16``,
+    lane ``t % 16``, its ``B x 32`` signed bytes in ascending k) times its blocks' scales, computed in float32
+    and rounded to the model's dtype: the values the blocks stand for. ``input_ids`` ``[...]``
+    (ids below V: the engine checks them) -> ``[..., K]``."""
+    qweight, scales = self.carpool_q_rows
+    group, lane = input_ids // 16, input_ids % 16
+    q = qweight[group, :, :, lane, :].reshape(*input_ids.shape, -1, 32).view(torch.int8)  # [..., B, 32]
+    d = scales[group, :, lane].float().unsqueeze(-1)  # [..., B, 1]
+    return (d * q.float()).reshape(*input_ids.shape, -1).to(self.carpool_dtype)

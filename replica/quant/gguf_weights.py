@@ -12,7 +12,7 @@ Types: Q4_0, Q4_1 and Q8_0 go to the kernels; F32, F16 and BF16 layers stay as l
 type of a linear layer (K-quants, ...) is refused, naming the tensor and its type. A tied output
 layer (no ``output.weight`` in the file) is computed from the input embedding's tensor where its
 type is one of those (else both stay as loaded: llama.cpp often stores it as Q6_K); where it
-is Q8_0, the input embedding reads its rows from the same packed blocks (:func:`_embed_from_blocks`)
+is Q8_0, the input embedding reads its rows from the same packed blocks (:func:`~replica.quant.blocks.embed_from_blocks`)
 and its dense copy is released. Each packed layer is checked against the weight transformers
 de-quantized from the same tensor (equal after rounding to the model's dtype), so a wrong name map
 or row order fails at start, not in tokens.
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-import types
-
-from replica.quant.blocks import BLOCK_TYPES, dequantize, split_gguf_blocks, use_blocks
+from replica.quant.blocks import BLOCK_TYPES, dequantize, embed_from_blocks, split_gguf_blocks, use_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -92,24 +90,8 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
         if weight.shape != tuple(expected.shape) or not torch.equal(dequantize(weight).to(expected.dtype), expected):
             raise ValueError(f"{gguf_file}: tensor {tensor_name} does not match {target} as transformers loads it")
         use_blocks(module, weight)
-        if module is head and tied and weight.bits == 8 and type(embedding) is torch.nn.Embedding:
-            embedding.carpool_q_rows = (module.carpool_q_weight, module.carpool_q_scales)
-            embedding.carpool_dtype = expected.dtype
-            embedding.forward = types.MethodType(_embed_from_blocks, embedding)
-            embedding.weight = torch.nn.Parameter(expected.new_empty(0), requires_grad=False)
+        if module is head and tied:
+            embed_from_blocks(embedding, head, expected.dtype)
         count += 1
     logger.info("quantization gguf: %d linear layers computed from %s's blocks", count, Path(gguf_file).name)
     return count
-
-
-def _embed_from_blocks(self: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
-    """The input embedding of a tied model whose output layer reads Q8_0 blocks, from those blocks:
-    token ``t``'s row is output ``t`` of the packed weight (``[G, B, 16, 16, 2]``: group ``t // 16``,
-    lane ``t % 16``, its ``B x 32`` signed bytes in ascending k) times its blocks' scales, computed in float32
-    and rounded to the model's dtype: the values transformers de-quantized. ``input_ids`` ``[...]``
-    (ids below V: the engine checks them) -> ``[..., K]``."""
-    qweight, scales = self.carpool_q_rows
-    group, lane = input_ids // 16, input_ids % 16
-    q = qweight[group, :, :, lane, :].reshape(*input_ids.shape, -1, 32).view(torch.int8)  # [..., B, 32]
-    d = scales[group, :, lane].float().unsqueeze(-1)  # [..., B, 1]
-    return (d * q.float()).reshape(*input_ids.shape, -1).to(self.carpool_dtype)

@@ -87,9 +87,11 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
 
 
-def quantize_linears(model: torch.nn.Module, gguf_file: str, dtype: torch.dtype) -> int:
-    """Compute ``model``'s Q4_0, Q4_1 and Q8_0 linear layers from ``gguf_file``'s blocks with
-    Carpool's CPU kernels (:func:`replica.quant.gguf_weights.quantize_from_gguf`); returns how many.
+def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str | None = None, scheme: str | None = None) -> int:
+    """Compute ``model``'s linear layers on Carpool's CPU block kernels; returns how many: from
+    ``gguf_file``'s Q4_0, Q4_1 and Q8_0 blocks (:func:`replica.quant.gguf_weights.quantize_from_gguf`),
+    or quantized at load by ``scheme`` (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`);
+    0 where there is neither (another ``scheme``, such as None, quantizes nothing).
 
     Raises:
         ValueError: ``dtype`` is neither bfloat16 nor float32 (the kernel's activations), or the
@@ -97,14 +99,21 @@ def quantize_linears(model: torch.nn.Module, gguf_file: str, dtype: torch.dtype)
             what ``quantize_from_gguf`` refuses.
     """
     from replica.kernels import cpu_kernels
-    from replica.quant.gguf_weights import quantize_from_gguf
 
+    if not gguf_file and scheme not in ("int8", "int4"):
+        return 0
+    name = "gguf" if gguf_file else scheme
     if dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"quantization gguf computes with bfloat16 or float32 activations, not {dtype}")
+        raise ValueError(f"quantization {name} computes with bfloat16 or float32 activations, not {dtype}")
     if not (cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype)):
         raise ValueError(
-            f"quantization gguf needs Carpool's CPU kernels for GGUF's blocks, which this CPU cannot run for {dtype} "
-            "(they need AVX512F, or AVX2 with FMA and F16C): serve without --quantization (the weights are then "
-            "de-quantized)"
+            f"quantization {name} needs Carpool's CPU block kernels, which this CPU cannot run for {dtype} "
+            "(they need AVX512F, or AVX2 with FMA and F16C): serve without --quantization"
         )
-    return quantize_from_gguf(model, gguf_file)
+    if gguf_file:
+        from replica.quant.gguf_weights import quantize_from_gguf
+
+        return quantize_from_gguf(model, gguf_file)
+    from replica.quant.online import quantize_online
+
+    return quantize_online(model, scheme)

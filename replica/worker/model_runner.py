@@ -90,11 +90,12 @@ class ModelRunner:
         lora: ``(max_loras, max_lora_rank, max step tokens)`` to serve LoRA adapters
             (:mod:`replica.lora`): every linear layer of the decoder layers gets slots.
         gguf_file: the GGUF file the model was converted from, to compute its Q4_0, Q4_1 and Q8_0
-            linear layers from the file's blocks (:mod:`replica.quant`; ``quantization: gguf``).
+            linear layers from the file's blocks (:mod:`replica.quant`; ``quantization: gguf``);
+        quantization: the engine's; ``int8`` or ``int4`` quantizes them at load (:mod:`replica.quant.online`).
     Raises:
         ValueError: an unknown or unavailable attention backend; a ``tensor_parallel_size`` the
-            model's heads do not split over; ``gguf_file`` where the block kernels are not built for
-            the dtype (:func:`~replica.worker.model_loader.quantize_linears`), or a file
+            model's heads do not split over; ``gguf_file``, ``int8`` or ``int4`` where the block
+            kernels are not built for the dtype (:func:`~replica.worker.model_loader.quantize_linears`), or a file
             :func:`~replica.quant.gguf_weights.quantize_from_gguf` refuses.
     """
 
@@ -115,6 +116,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         lora: tuple[int, int, int] | None = None,
         gguf_file: str | None = None,
+        quantization: str | None = None,
         launch_ranks=None,
         tp: TPGroup | None = None,
     ) -> None:
@@ -171,7 +173,7 @@ class ModelRunner:
             sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
             if self.device.type == "cpu":
                 cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
-            self.num_quantized = quantize_linears(self.model, gguf_file, self.dtype) if gguf_file else 0
+            self.num_quantized = quantize_linears(self.model, self.dtype, gguf_file, quantization)
             self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
             if self.lora is not None:
                 wrap_forwards(self.lora.modules)

@@ -1,0 +1,66 @@
+"""Online weight-only quantization of a full-precision model (``--quantization int8|int4``): each
+linear layer's weight is cut into blocks of 32 along K at load and computed by Carpool's block
+kernels (:mod:`replica.quant.blocks`), with the model's own activations (bfloat16 or float32).
+
+* ``int8``: every linear layer as Q8_0 blocks (``w = d * q``, ``q`` a signed byte, an fp16 ``d`` per
+  32 weights).
+* ``int4``: every decoder linear layer as Q4_1 blocks (``w = d * q + m``, ``q`` in 0..15, an fp16 ``d``
+  and minimum ``m`` per 32 weights); the output layer as Q8_0, as GGUF's 4-bit files keep theirs at
+  6 or 8 bits (the logits are the most sensitive to rounding).
+
+The blocks are llama.cpp's reference quantizers' (:func:`~replica.quant.blocks.quantize_q8_0`,
+:func:`~replica.quant.blocks.quantize_q4_1`). A tied input embedding reads its rows from the output
+layer's blocks (one copy of the vocabulary's weights). A layer whose ``in_features`` is not a
+multiple of 32, or that is not a plain ``nn.Linear`` (a subclass with a forward of its own), stays
+as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from replica.quant.blocks import BLOCK, embed_from_blocks, quantize_q4_1, quantize_q8_0, use_blocks
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("int8", "int4")
+
+
+def quantize_online(model: torch.nn.Module, scheme: str) -> int:
+    """Route each plain ``nn.Linear`` of ``model`` (on CPU, ``in_features`` a multiple of 32) through
+    the block kernel for ``scheme`` (see the module's docstring); returns how many.
+
+    Raises:
+        ValueError: ``scheme`` is not ``int8`` or ``int4``.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"online quantization is {' or '.join(SCHEMES)}, not {scheme!r}")
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    dtype = next(model.parameters()).dtype
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    count = skipped = 0
+    for module in list(model.modules()):
+        if not _linear_forward(module):
+            continue
+        if module.in_features % BLOCK or module.weight.device.type != "cpu":
+            skipped += 1
+            continue
+        quantize = quantize_q4_1 if scheme == "int4" and module is not head else quantize_q8_0
+        use_blocks(module, quantize(module.weight))
+        count += 1
+    if tied:
+        embed_from_blocks(embedding, head, dtype)
+    logger.info("quantization %s: %d linear layers on block kernels, %d left as loaded (in_features not a multiple of %d)",
+                scheme, count, skipped, BLOCK)
+    return count
+
+
+def _linear_forward(module: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` (or a subclass) computing ``nn.Linear``'s own forward."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and type(module).forward is torch.nn.Linear.forward
+        and "forward" not in module.__dict__
+    )
