@@ -12,7 +12,8 @@ The blocks are llama.cpp's reference quantizers' (:func:`~replica.quant.blocks.q
 :func:`~replica.quant.blocks.quantize_q4_1`). A tied input embedding reads its rows from the output
 layer's blocks (one copy of the vocabulary's weights). A layer whose ``in_features`` is not a
 multiple of 32, or that is not a plain ``nn.Linear`` (a subclass with a forward of its own), stays
-as loaded.
+as loaded. The runner quantizes before it installs LoRA slots (whose own layers stay dense: adapters
+on a quantized base, as QLoRA's users expect) and a speculative draft model is not quantized.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
     the block kernel for ``scheme`` (see the module's docstring); returns how many.
 
     Raises:
-        ValueError: ``scheme`` is not ``int8`` or ``int4``.
+        ValueError: ``scheme`` is not ``int8`` or ``int4``; a layer's block scale or minimum is not
+            finite in fp16 (NaN or infinite weights, or a block wider than fp16 holds: about 8.3e6
+            for int8's ``max / 127``), naming the layer.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"online quantization is {' or '.join(SCHEMES)}, not {scheme!r}")
@@ -41,26 +44,29 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
     dtype = next(model.parameters()).dtype
     tied = head is not None and embedding is not None and head.weight is embedding.weight
     count = skipped = 0
-    for module in list(model.modules()):
-        if not _linear_forward(module):
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
             continue
-        if module.in_features % BLOCK or module.weight.device.type != "cpu":
+        if not _linear_forward(module) or module.in_features % BLOCK or module.weight.device.type != "cpu":
             skipped += 1
             continue
         quantize = quantize_q4_1 if scheme == "int4" and module is not head else quantize_q8_0
-        use_blocks(module, quantize(module.weight))
+        blocks = quantize(module.weight)
+        for values in (blocks.scales, blocks.mins):
+            if values is not None and not bool(torch.isfinite(values).all()):
+                raise ValueError(
+                    f"quantization {scheme}: layer {name} has a block whose scale or minimum is not finite in fp16 "
+                    "(NaN or infinite weights, or values too large for fp16 scales); serve the model without --quantization"
+                )
+        use_blocks(module, blocks)
         count += 1
     if tied:
         embed_from_blocks(embedding, head, dtype)
-    logger.info("quantization %s: %d linear layers on block kernels, %d left as loaded (in_features not a multiple of %d)",
-                scheme, count, skipped, BLOCK)
+    logger.info("quantization %s: %d linear layers on block kernels, %d left as loaded (a forward of their own, "
+                "or in_features not a multiple of %d)", scheme, count, skipped, BLOCK)
     return count
 
 
-def _linear_forward(module: torch.nn.Module) -> bool:
-    """An ``nn.Linear`` (or a subclass) computing ``nn.Linear``'s own forward."""
-    return (
-        isinstance(module, torch.nn.Linear)
-        and type(module).forward is torch.nn.Linear.forward
-        and "forward" not in module.__dict__
-    )
+def _linear_forward(module: torch.nn.Linear) -> bool:
+    """Whether ``module`` computes ``nn.Linear``'s own forward (a subclass may, or may add to it)."""
+    return type(module).forward is torch.nn.Linear.forward and "forward" not in module.__dict__

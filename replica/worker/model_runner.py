@@ -142,6 +142,8 @@ class ModelRunner:
             self.hf_config = self.model.config
             self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
             tp_layers = localize(self.model) if tp is not None else []
+            # The base layers on blocks first: LoRA's own A and B layers (make_slots) stay dense.
+            self.num_quantized = quantize_linears(self.model, self.dtype, gguf_file, quantization)
             self.lora = make_slots(self.model, max_loras=lora[0], max_rank=lora[1], max_tokens=lora[2]) if lora else None
             shape = self.shape
             per_block = kv_bytes_per_block(shape.num_layers, block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
@@ -173,7 +175,6 @@ class ModelRunner:
             sixteen_bit = self.dtype in (torch.bfloat16, torch.float16)
             if self.device.type == "cpu":
                 cpu_inversion()  # build or load the CPU kernels now (the sampler's, the linears')
-            self.num_quantized = quantize_linears(self.model, self.dtype, gguf_file, quantization)
             self.num_packed = prepack_linears(self.model) if self.device.type == "cpu" else 0
             if self.lora is not None:
                 wrap_forwards(self.lora.modules)

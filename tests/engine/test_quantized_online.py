@@ -4,7 +4,9 @@ blocks of 32 (Q8_0; Q4_1 with the output layer Q8_0) and computed by Carpool's b
 * The blocks are those ggml's own quantizers write (the ``gguf`` package's copy of them), halves
   and all-equal blocks included.
 * With float32 activations, the engine's greedy tokens are transformers' own on the weights the
-  blocks stand for; alone = batched = chunked = preempted on the 4-bit engine (compiled, bf16).
+  blocks stand for, and a real peft adapter on the 4-bit base gives peft's tokens on them; alone =
+  batched = chunked = preempted on the 4-bit engine (compiled, bf16).
+* Layers of partial blocks stay as loaded; non-finite block scales refuse the start by layer.
 * The real default model in int4: its perplexity on a fixed text within 1 % of what float32
   transformers gives on the same blocks' weights.
 """
@@ -117,6 +119,33 @@ def test_4_bit_alone_equals_batched_chunked_and_preempted(tiny_llama):
     assert together == alone and chunked == alone
 
 
+@needs_f32
+def test_lora_adapters_on_a_4_bit_base_give_peft_s_tokens_on_the_blocks_weights(tiny_llama, tmp_path):
+    """QLoRA's arrangement: the base's layers on Q4_1 blocks, a real peft adapter's matrices dense
+    (float32); the engine's greedy tokens equal peft's on the blocks' weights, with and without
+    the adapter in one batch."""
+    from replica.protocol.lora_request import LoRARequest
+    from tests.lora_adapters import make_adapter, peft_greedy
+
+    adapter = make_adapter(tiny_llama, tmp_path / "adapter", r=8, strength=0.5)
+    base = tmp_path / "blocks-base"
+    _reference(tiny_llama, "int4").save_pretrained(base)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(base)
+    with LLM(model=tiny_llama, quantization="int4", dtype="float32", compile=False, enable_lora=True, max_loras=1,
+             max_lora_rank=8, max_num_seqs=4, **ON_TEST_DEVICE) as llm:
+        assert llm.engine.runner.num_quantized == 7 * llm.engine.runner.model.config.num_hidden_layers + 1
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        lora = LoRARequest("a", 1, adapter)
+        outs = llm.generate(prompt_token_ids=PROMPTS[:2] * 2, sampling_params=params, lora_request=[lora, lora, None, None])
+        got = [o.outputs[0].token_ids for o in outs]
+        assert_idle(llm.engine)
+    assert got[:2] == peft_greedy(str(base), adapter, PROMPTS[:2], 16)
+    assert got[2:] == peft_greedy(str(base), None, PROMPTS[:2], 16)
+    assert got[:2] != got[2:]  # the adapter changes the tokens
+
+
 def test_a_layer_of_partial_blocks_stays_as_loaded_and_bad_settings_are_refused():
     from replica.config.engine_config import EngineConfig
     from replica.quant.online import quantize_online
@@ -140,6 +169,10 @@ def test_a_layer_of_partial_blocks_stays_as_loaded_and_bad_settings_are_refused(
         assert model.embed.weight.numel() == 640  # not tied: it stays
     with pytest.raises(ValueError, match="int8 or int4, not 'int2'"):
         quantize_online(model, "int2")
+    huge = Tiny()
+    huge.a.weight.data[3, 0] = 1e7  # d = 1e7 / 127: past fp16's largest finite value
+    with pytest.raises(ValueError, match="layer a has a block whose scale or minimum is not finite"):
+        quantize_online(huge, "int8")
     with pytest.raises(ValueError, match="Input should be 'gguf', 'int8' or 'int4'"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="quantization int4 runs on device cpu at tensor_parallel_size 1"):
