@@ -112,7 +112,8 @@ class EngineConfig(BaseModel):
             "on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
             "tensor_parallel_size 1); the model is a .gguf file or the default model (its package ships a "
             "Q4_1 file). int8, int4: quantize a full-precision model's linear layers at load into blocks "
-            "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels. Unset: "
+            "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels, each rank "
+            "its own shard under tensor parallelism. Unset: "
             "GGUF weights are de-quantized to dtype at load."
         ),
     )
@@ -262,10 +263,12 @@ class EngineConfig(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.quantization and DTYPE_NAMES[self.dtype] == "float16":
             raise ValueError(f"quantization {self.quantization} computes with bfloat16 or float32 activations, not float16")
-        if self.quantization and (self.device != "cpu" or self.tensor_parallel_size > 1):
+        if self.quantization and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization} runs on device cpu for now (got device {self.device!r})")
+        if self.quantization == "gguf" and self.tensor_parallel_size > 1:
             raise ValueError(
-                f"quantization {self.quantization} runs on device cpu at tensor_parallel_size 1 for now "
-                f"(got device {self.device!r}, tensor_parallel_size {self.tensor_parallel_size})"
+                f"quantization gguf runs at tensor_parallel_size 1 for now (got {self.tensor_parallel_size}); "
+                "int8 and int4 shard"
             )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: serve adapters at tensor_parallel_size 1")

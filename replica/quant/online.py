@@ -10,9 +10,12 @@ kernels (:mod:`replica.quant.blocks`), with the model's own activations (bfloat1
 
 The blocks are llama.cpp's reference quantizers' (:func:`~replica.quant.blocks.quantize_q8_0`,
 :func:`~replica.quant.blocks.quantize_q4_1`). A tied input embedding reads its rows from the output
-layer's blocks (one copy of the vocabulary's weights). A layer whose ``in_features`` is not a
+layer's blocks (one copy of the vocabulary's weights); under tensor parallelism, where each rank's
+head holds a shard, its whole copy takes the values those blocks stand for. A layer whose ``in_features`` is not a
 multiple of 32, or that is not a plain ``nn.Linear`` (a subclass with a forward of its own), stays
-as loaded. The runner quantizes before it installs LoRA slots (whose own layers stay dense: adapters
+as loaded. Under tensor parallelism each rank quantizes its own shard (a row-wise layer's half of
+K; the blocks are the unsharded layer's where that half is whole blocks). The runner quantizes
+before it installs LoRA slots (whose own layers stay dense: adapters
 on a quantized base, as QLoRA's users expect) and a speculative draft model is not quantized.
 """
 
@@ -22,7 +25,7 @@ import logging
 
 import torch
 
-from replica.quant.blocks import BLOCK, embed_from_blocks, quantize_q4_1, quantize_q8_0, use_blocks
+from replica.quant.blocks import BLOCK, dequantize, embed_from_blocks, quantize_q4_1, quantize_q8_0, use_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +45,16 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
         raise ValueError(f"online quantization is {' or '.join(SCHEMES)}, not {scheme!r}")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     dtype = next(model.parameters()).dtype
-    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    shared = head is not None and embedding is not None and head.weight is embedding.weight
+    # Under tensor parallelism the tied head holds a shard and the embedding a whole copy.
+    config = getattr(model, "config", None)
+    tied = shared or (head is not None and config is not None and bool(getattr(config.get_text_config(), "tie_word_embeddings", False)))
     count = skipped = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
-        if not _linear_forward(module) or module.in_features % BLOCK or module.weight.device.type != "cpu":
+        # weight.shape, not in_features: under tensor parallelism a rank holds its shard's columns.
+        if not _linear_forward(module) or module.weight.shape[1] % BLOCK or module.weight.device.type != "cpu":
             skipped += 1
             continue
         quantize = quantize_q4_1 if scheme == "int4" and module is not head else quantize_q8_0
@@ -60,8 +67,11 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
                 )
         use_blocks(module, blocks)
         count += 1
-    if tied:
+    if shared:
         embed_from_blocks(embedding, head, dtype)
+    elif tied and type(embedding) is torch.nn.Embedding and embedding.weight.shape[1] % BLOCK == 0:
+        # The values the whole head's blocks stand for, as embed_from_blocks reads them.
+        embedding.weight.data = dequantize(quantize_q8_0(embedding.weight)).to(embedding.weight.dtype)
     logger.info("quantization %s: %d linear layers on block kernels, %d left as loaded (a forward of their own, "
                 "or in_features not a multiple of %d)", scheme, count, skipped, BLOCK)
     return count

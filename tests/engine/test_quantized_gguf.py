@@ -198,9 +198,11 @@ def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):
     from replica.config.engine_config import EngineConfig
     from replica.engine.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match="device cpu at tensor_parallel_size 1"):
+    with pytest.raises(ValueError, match="quantization gguf runs on device cpu"):
         EngineConfig(quantization="gguf", device="cuda")
-    with pytest.raises(ValueError, match="Input should be 'gguf'"):
+    with pytest.raises(ValueError, match="quantization gguf runs at tensor_parallel_size 1"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8' or 'int4'"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="bfloat16 or float32 activations, not float16"):
         EngineConfig(quantization="gguf", dtype="half")
