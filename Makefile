@@ -15,7 +15,7 @@ PIP_FIND := $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.
 UV_PIP := $(PY) -m uv pip install -q --python $(PY) $(foreach link,$(PIP_FIND),--find-links $(link))
 
 $(STAMP): pyproject.toml constraints.txt
-	@echo "Installing Carpool and its dependencies into $(VENV) (a minute or more the first time)..."
+	@echo "Installing Carpool and its dependencies into $(VENV) (once; under a minute from a nearby index)..."
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv || true
 	$(UV_PIP) -c constraints.txt -e ".[test,bench]" || $(PY) -m pip install -q -c constraints.txt -e ".[test,bench]"

@@ -110,14 +110,20 @@ def resolve_gguf_model(model: str) -> tuple[str, Path]:
     Raises:
         ValueError: ``model`` is neither a ``.gguf`` file nor a packaged id; the package is missing.
     """
+    check_gguf_model(model)
     if model.endswith(".gguf"):
         return _convert_gguf(_gguf_path(model), _gguf_cache_name(Path(model))), Path(model)
-    if model in _PACKAGED_MODELS:
-        return _convert_packaged_model(model), packaged_gguf_path(model)
-    raise ValueError(
-        f"quantization gguf needs a GGUF model: a .gguf file, or one of {sorted(_PACKAGED_MODELS)} (from its "
-        f"package); {model!r} is neither"
-    )
+    return _convert_packaged_model(model), packaged_gguf_path(model)
+
+
+def check_gguf_model(model: str) -> None:
+    """Raises ``ValueError`` where ``model`` is neither a ``.gguf`` file name nor a packaged id
+    (what :func:`resolve_gguf_model` serves blocks from); reads no file."""
+    if not (model.endswith(".gguf") or model in _PACKAGED_MODELS):
+        raise ValueError(
+            f"quantization gguf needs a GGUF model: a .gguf file, or one of {sorted(_PACKAGED_MODELS)} (from its "
+            f"package); {model!r} is neither"
+        )
 
 
 def _gguf_path(model: str) -> Path:

@@ -83,6 +83,13 @@ def test_an_embedding_model_with_generation_settings_is_refused_before_ray_start
     assert time.monotonic() - started < 30
 
 
+def test_gguf_quantization_of_a_model_that_is_no_gguf_file_is_refused_before_ray_starts(tmp_path):
+    result = run_cli("serve", "--model", str(tmp_path), "--quantization", "gguf")
+    assert result.returncode != 0, result.stderr
+    assert "failed to start: quantization gguf needs a GGUF model: a .gguf file" in result.stderr
+    assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
+
+
 def test_carpool_serve_with_config_file_and_api_key(tmp_path):
     port = free_port()
     config = tmp_path / "carpool.json"
