@@ -10,13 +10,15 @@ kernels (:mod:`replica.quant.blocks`), with the model's own activations (bfloat1
 
 The blocks are llama.cpp's reference quantizers' (:func:`~replica.quant.blocks.quantize_q8_0`,
 :func:`~replica.quant.blocks.quantize_q4_1`). A tied input embedding reads its rows from the output
-layer's blocks (one copy of the vocabulary's weights); under tensor parallelism, where each rank's
-head holds a shard, its whole copy takes the values those blocks stand for. A layer whose ``in_features`` is not a
+layer's blocks (one copy of the vocabulary's weights). A layer whose ``in_features`` is not a
 multiple of 32, or that is not a plain ``nn.Linear`` (a subclass with a forward of its own), stays
-as loaded. Under tensor parallelism each rank quantizes its own shard (a row-wise layer's half of
-K; the blocks are the unsharded layer's where that half is whole blocks). The runner quantizes
-before it installs LoRA slots (whose own layers stay dense: adapters
-on a quantized base, as QLoRA's users expect) and a speculative draft model is not quantized.
+as loaded.
+
+Under tensor parallelism each rank quantizes its own shard (a row-wise layer's share of K: the
+unsharded layer's blocks where that share is whole blocks), and a tied embedding, a whole copy
+beside the head's shard, takes the values the head's blocks stand for. The runner quantizes
+before it installs LoRA slots, whose own layers stay dense (adapters on a quantized base, as
+QLoRA's users expect); a speculative draft model is not quantized.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
         count += 1
     if shared:
         embed_from_blocks(embedding, head, dtype)
-    elif tied and type(embedding) is torch.nn.Embedding and embedding.weight.shape[1] % BLOCK == 0:
+    elif tied and hasattr(head, "carpool_q_weight") and type(embedding) is torch.nn.Embedding:
         # The values the whole head's blocks stand for, as embed_from_blocks reads them.
         embedding.weight.data = dequantize(quantize_q8_0(embedding.weight)).to(embedding.weight.dtype)
     logger.info("quantization %s: %d linear layers on block kernels, %d left as loaded (a forward of their own, "
