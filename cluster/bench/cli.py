@@ -64,7 +64,7 @@ def _fail_bench(message: str) -> None:
 
 @command(bench_app, "offline", [
     MODEL, DTYPE, DEVICE, _seats(4), BATCHED_TOKENS, KV_MEMORY, *options_of(o.OfflineOptions), ATTENTION, COMPILE,
-    CUDA_GRAPHS, ASYNC, TP, SPECULATIVE,
+    CUDA_GRAPHS, ASYNC, TP, SPECULATIVE, QUANTIZATION,
 ], fail=_fail_bench)
 def offline(given: Given) -> None:
     """Run a workload through the engine under continuous and static batching; print a table."""
@@ -82,6 +82,7 @@ def offline(given: Given) -> None:
             prompt_logprobs_requests=v["prompt_logprobs_requests"], constrained_requests=v["constrained_requests"],
             cuda_graphs=v["cuda_graphs"], async_scheduling=v["async_scheduling"],
             tensor_parallel_size=v["tensor_parallel_size"], speculative_config=v["speculative_config"],
+            quantization=v["quantization"],
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -13,8 +13,9 @@ added ``--batching-policy`` (issue 54, priorities). ``bench autoscale`` adds ``-
 autoscaling that sees waiting; its default is the former load), and its documented line now
 gives the bench's new fields and its 1 s queue-wait target. The engine's default seats
 (``max_num_seqs``) went from 32 to 64 (issue 54, the burst tail): the documented lines that do not
-set them now start engines of 64. ``serve`` and ``bench profile`` add ``--quantization/-q`` (vLLM's
-flag; issue 55, quantized models): the documented lines of both now give ``quantization: null``.
+set them now start engines of 64. ``serve``, ``bench profile`` and ``bench offline`` add
+``--quantization/-q`` (vLLM's flag; issue 55, quantized models): their documented lines now give
+``quantization: null``.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ def offline_main(
     async_scheduling: bool | None = None,
     tensor_parallel_size: int = 1,
     speculative_config: dict | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Run one offline benchmark; print its table to ``out`` (stdout) and return the JSON summary.
 
@@ -82,7 +83,7 @@ def offline_main(
             JSONL file of ``{"prompt", "max_tokens"}`` objects.
         model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory,
             attention_backend, compile, cuda_graphs, async_scheduling, tensor_parallel_size,
-            speculative_config: the engine's settings (``EngineConfig``); ``model=None`` is the
+            speculative_config, quantization: the engine's settings (``EngineConfig``); ``model=None`` is the
             default model, ``speculative_config`` a dict of its keys (None: no speculation).
         num_requests, short, long: seed-mix's size and its two output lengths (also the sweep's
             and input-grounded's size).
@@ -136,7 +137,7 @@ def offline_main(
         model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_memory=kv_cache_memory, attention_backend=attention_backend, compile=compile, threads=threads,
         cuda_graphs=cuda_graphs, async_scheduling=async_scheduling, tensor_parallel_size=tensor_parallel_size,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, quantization=quantization,
     )
     llm = LLM(**engine_kwargs)
     hf_model = None
@@ -154,6 +155,7 @@ def offline_main(
         "threads": torch.get_num_threads(),
         **({"cpu_kernels": dispatch_summary()} if device == "cpu" else {}),
         "tensor_parallel_size": tensor_parallel_size,
+        "quantization": quantization,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "async_scheduling": info.async_scheduling,  # of the continuous run; static is synchronous

@@ -249,7 +249,7 @@ def warm_up(llm, prompt_token_ids: list[int], num_seqs: int, max_tokens: int = 4
 def bench_engine_kwargs(
     *, model, dtype, device, max_num_seqs, max_num_batched_tokens, kv_cache_memory, attention_backend, compile, threads,
     cuda_graphs: bool = True, async_scheduling: bool | None = None, tensor_parallel_size: int = 1,
-    speculative_config: dict | None = None,
+    speculative_config: dict | None = None, quantization: str | None = None,
 ) -> dict:
     """``LLM`` keyword arguments of a benchmark's engine from its command-line settings (``model``,
     ``kv_cache_memory`` (bytes) and ``speculative_config`` (a dict of its keys) left to the defaults
@@ -261,7 +261,7 @@ def bench_engine_kwargs(
     kwargs = dict(
         dtype=dtype, device=device, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         attention_backend=attention_backend, compile=compile, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, quantization=quantization,
     )
     if model:
         kwargs["model"] = model
