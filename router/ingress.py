@@ -229,12 +229,7 @@ class OpenAIIngress:
         targets come from the headers (``router/request/slo_headers.py``)."""
         slo = latency_targets(http.headers)
         self.fanout.admit()
-        lora = await self.adapters.lora_request(body.model)
-        choices, param = self.checks.check_completion(body)
-        await self.replicas.check_available()
-        await self.replicas.check_capacity(choices, param)
-        prepared = await self.preparer.completion(body, await self.replicas.model_info(), lora)
-        prepared.slo = slo
+        prepared = await self._prepared(body, slo, self.checks.check_completion, self.preparer.completion)
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.completion_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
@@ -247,7 +242,7 @@ class OpenAIIngress:
         Latency targets come from the headers (``router/request/slo_headers.py``)."""
         slo = latency_targets(http.headers)
         self.fanout.admit()
-        prepared = await self._prepared_chat(body, slo)
+        prepared = await self._prepared(body, slo, self.checks.check_chat, self.preparer.chat)
         if body.stream:
             streams = await self.fanout.open_streams(prepared)
             events = self.responses.chat_events(prepared, body, self.fanout.deltas(streams), lambda: cancel_all(streams))
@@ -264,7 +259,7 @@ class OpenAIIngress:
         self.fanout.admit()
         turn = await self.responses_api.begin(body)
         try:
-            prepared = await self._prepared_chat(turn.chat, slo)
+            prepared = await self._prepared(turn.chat, slo, self.checks.check_chat, self.preparer.chat)
         except OpenAIError as exc:
             raise responses_error(exc, turn.origins) from None
         prepared.continuation = body.previous_response_id is not None  # routed to its conversation's replica
@@ -306,14 +301,16 @@ class OpenAIIngress:
         wave = running * (self.replicas.seats + self.replicas.waiting)  # what the running replicas hold
         return self.embedder.body(jobs, body, await self.embedder.run(jobs, self.fanout.run_all, wave))
 
-    async def _prepared_chat(self, body: ChatCompletionRequest, slo: Any) -> Prepared:
-        """A chat body (``/v1/chat/completions``'s, or the one a Responses turn runs as) checked,
-        templated and tokenized, with its adapter and latency targets ``slo``. Raises OpenAIError."""
+    async def _prepared(self, body: Any, slo: Any, check: Any, prepare: Any) -> Prepared:
+        """A completion or chat body (or the chat a Responses turn runs as) checked by ``check``
+        (``BodyChecks.check_completion`` or ``check_chat``: its choices and their field), against
+        the replicas' availability and capacity, then tokenized by ``prepare`` (the matching
+        ``RequestPreparer`` method), with its adapter and latency targets ``slo``. Raises OpenAIError."""
         lora = await self.adapters.lora_request(body.model)
-        choices, param = self.checks.check_chat(body)
+        choices, param = check(body)
         await self.replicas.check_available()
         await self.replicas.check_capacity(choices, param)
-        prepared = await self.preparer.chat(body, await self.replicas.model_info(), lora)
+        prepared = await prepare(body, await self.replicas.model_info(), lora)
         prepared.slo = slo
         return prepared
 

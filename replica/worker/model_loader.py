@@ -99,8 +99,9 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str 
             what ``quantize_from_gguf`` refuses.
     """
     from replica.kernels import cpu_kernels
+    from replica.quant.online import SCHEMES
 
-    if not gguf_file and scheme not in ("int8", "int4"):
+    if not gguf_file and scheme not in SCHEMES:
         return 0
     name = "gguf" if gguf_file else scheme
     if dtype not in (torch.bfloat16, torch.float32):
