@@ -1,21 +1,22 @@
-"""GGUF's quantized blocks of 32 weights along K, each block of one output row with an fp16 scale
-``d`` (and, for Q4_1, a minimum ``m``): Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d * q + m`` (``q`` in
-0..15), Q8_0 ``w = d * q`` (``q`` a signed byte); packed for Carpool's kernels
+"""Weights in blocks along K, as GGUF stores them, packed for Carpool's kernels
 ``carpool_cpu::q4_linear`` and ``carpool_cpu::q8_linear`` (``replica/kernels/csrc/cpu_linear_q4.cpp``
-and ``cpu_linear_q8.cpp``, where the layouts are drawn).
+and ``cpu_linear_q8.cpp``, where the layouts are drawn). Blocks of 32 weights of one output row
+with an fp16 scale ``d`` (and, for Q4_1, a minimum ``m``): Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d *
+q + m`` (``q`` in 0..15), Q5_0 ``w = d * (q - 16)`` (``q`` in 0..31: the 4-bit kernel with a plane
+of fifth bits), Q8_0 ``w = d * q`` (``q`` a signed byte). GGUF's K-quants hold an integer
+scale (and minimum) per sub-block under fp16 ones per super-block of 256: Q4_K ``w = d * sc * q -
+dmin * m`` (sub-blocks of 32, ``q`` in 0..15), Q6_K ``w = d * sc * (q - 32)`` (sub-blocks of 16,
+``q`` in 0..63); they run on the same kernels, which multiply the two scales per block (exact in
+float32).
 
 * :func:`quantize_q8_0` and :func:`quantize_q4_1` make the blocks of a full-precision weight, as
-  llama.cpp's reference quantizers do (``--quantization int8|int4``, :mod:`replica.quant.online`).
-* :func:`split_gguf_blocks` reads a tensor's raw GGUF blocks (``[N, K / 32 * bytes per block]``
-  uint8, as ``gguf.GGUFReader`` gives them) into a :class:`BlockWeight`. The block layouts are
-  ggml's (``ggml-common.h``: ``block_q4_0``, ``block_q4_1``, ``block_q8_0``): ``d``, then ``m``
-  (Q4_1), then the block's values: for the 4-bit types 16 bytes whose low nibbles are elements
-  0..15 and high nibbles 16..31, for Q8_0 32 signed bytes.
+  llama.cpp's reference quantizers do (``--quantization int8|int4``, :mod:`replica.quant.online`);
+  :mod:`replica.quant.gguf_blocks` reads a GGUF file's tensors into blocks.
 * :func:`pack_weight` lays a weight out for its kernel; :func:`dequantize` gives the weights it
   stands for (float32), the reference the kernels are tested against.
 * :func:`use_blocks` routes an ``nn.Linear`` through its kernel and releases its dense weight;
-  :func:`embed_from_blocks` has a tied input embedding read its rows from the output layer's Q8_0
-  blocks.
+  :func:`embed_from_blocks` has a tied input embedding read its rows from the output layer's
+  8-bit blocks (Q8_0 or Q6_K).
 """
 
 from __future__ import annotations
@@ -26,22 +27,27 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # elements per block, along K
-# type name -> (bytes per block, bits per value, offset subtracted from the stored value, has a minimum)
-BLOCK_TYPES = {"Q4_0": (18, 4, 8, False), "Q4_1": (20, 4, 0, True), "Q8_0": (34, 8, 128, False)}
 
 
 @dataclass
 class BlockWeight:
-    """One linear layer's weight as blocks: ``q`` uint8 ``[N, K]`` (4-bit types: 0..15; Q8_0: the
-    signed byte plus 128), ``scales`` and ``mins`` fp16 ``[N, K / 32]`` (``mins`` None but for
-    Q4_1), ``offset`` and ``bits``: ``w[n, k] = scales[n, k // 32] * (q[n, k] - offset) +
-    mins[n, k // 32]``."""
+    """One linear layer's weight as blocks: ``q`` uint8 ``[N, K]`` (4-bit types: 0..15; Q5_0:
+    0..31; 8-bit: the signed value plus 128), ``offset`` and ``bits`` (4, 5 or 8), and per block
+    of 32 ``scales`` and ``mins`` fp16 ``[N, K / 32]`` (``mins`` None but for Q4_1): ``w[n, k] =
+    scales[n, k // 32] * (q[n, k] - offset) + mins[n, k // 32]``.
+
+    K-quants (``super_scales`` given, K a multiple of 256): ``scales`` are integers per sub-block of
+    ``K / scales.shape[1]`` values (uint8 for Q4_K, int8 for Q6_K), multiplied by ``super_scales``
+    fp16 ``[N, K / 256]``; Q4_K's ``mins`` are uint8 per sub-block of 32 times ``super_mins`` fp16,
+    subtracted: ``w = S * sc * (q - offset) - M * m``."""
 
     q: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
     offset: int
     bits: int
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,46 +95,36 @@ def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
 
 
-def split_gguf_blocks(raw: torch.Tensor, type_name: str) -> BlockWeight:
-    """``raw`` uint8 ``[N, K / 32 * bytes per block]`` of a Q4_0, Q4_1 or Q8_0 tensor -> its blocks.
-
-    Raises:
-        ValueError: another type, or a row length that is not a whole number of blocks.
-    """
-    if type_name not in BLOCK_TYPES:
-        raise ValueError(f"not a block type Carpool's kernels read: {type_name} (they read {', '.join(BLOCK_TYPES)})")
-    size, bits, offset, has_min = BLOCK_TYPES[type_name]
-    if raw.dim() != 2 or raw.dtype != torch.uint8 or raw.shape[1] % size:
-        raise ValueError(f"{type_name}: rows of {tuple(raw.shape)} {raw.dtype} are not whole {size}-byte blocks")
-    n, blocks = raw.shape[0], raw.shape[1] // size
-    b = raw.reshape(n, blocks, size)
-    scales = b[..., 0:2].contiguous().view(torch.float16).reshape(n, blocks)
-    mins = b[..., 2:4].contiguous().view(torch.float16).reshape(n, blocks) if has_min else None
-    if bits == 4:
-        qs = b[..., size - 16 :]
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # elements 0..15, then 16..31
-    else:
-        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16).add(offset).to(torch.uint8)
-    q = q.reshape(n, blocks * BLOCK).contiguous()
-    return BlockWeight(q, scales.contiguous(), mins.contiguous() if mins is not None else None, offset, bits)
-
-
 def dequantize(weight: BlockWeight) -> torch.Tensor:
-    """The float32 weights ``[N, K]`` the blocks stand for (each an exact product of fp16 and a
-    small integer, plus the minimum, in float32)."""
-    scales = weight.scales.float().repeat_interleave(BLOCK, dim=1)
-    w = scales * (weight.q.float() - weight.offset)
-    if weight.mins is not None:
-        w = w + weight.mins.float().repeat_interleave(BLOCK, dim=1)
-    return w
+    """The float32 weights ``[N, K]`` the blocks stand for, computed as ggml de-quantizes them
+    (each scale, and a K-quant's product of two, exact in float32; times the value, then the
+    minimum added or, for K-quants, subtracted)."""
+    k = weight.q.shape[1]
+    w = _per_value(weight.scales, weight.super_scales, k) * (weight.q.float() - weight.offset)
+    if weight.mins is None:
+        return w
+    mins = _per_value(weight.mins, weight.super_mins, k)
+    return w - mins if weight.super_mins is not None else w + mins
 
 
-def pack_weight(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _per_value(values: torch.Tensor, supers: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Per-block (or per-sub-block) ``values`` ``[N, B]``, times their super-blocks' ``supers``
+    ``[N, S]`` where given, as float32 ``[N, k]``."""
+    values = values.float()
+    if supers is not None:
+        values = values * supers.float().repeat_interleave(values.shape[1] // supers.shape[1], dim=1)
+    return values.repeat_interleave(k // values.shape[1], dim=1)
+
+
+def pack_weight(weight: BlockWeight) -> tuple[torch.Tensor, ...]:
     """The kernel's layout, for ``G = ceil(N / 16)`` groups of 16 outputs and ``B = K / 32`` blocks:
     ``qweight`` uint8, 4-bit ``[G, B, 8, 16, 2]`` (byte ``[g, b, h, j, e]`` = ``q[16g + j, 32b + 4h
-    + e] | q[16g + j, 32b + 4h + 2 + e] << 4``), 8-bit ``[G, B, 16, 16, 2]`` (byte ``[g, b, p, j,
-    e]`` = ``q[16g + j, 32b + 2p + e] - 128``, the signed byte GGUF stores); ``scales`` and ``mins`` fp16 ``[G, B, 16]``. Padded
-    outputs have zero scales.
+    + e] | q[16g + j, 32b + 4h + 2 + e] << 4``, of 5-bit values their low 4 bits), 8-bit ``[G, B,
+    16, 16, 2]`` (byte ``[g, b, p, j, e]`` = ``q[16g + j, 32b + 2p + e] - 128``, the signed byte
+    GGUF stores); then ``scales``, ``mins``, ``super_scales`` and ``super_mins`` (each None where
+    the weight has none) as ``[G, B', 16]`` for their ``[N, B']``, of their dtypes; then, for
+    5-bit values, ``qhigh`` int32 ``[G, B, 8, 2]``, bit ``2j + e`` of word ``[g, b, h, t]`` the
+    fifth bit of ``q[16g + j, 32b + 4h + 2t + e]`` (else None). Padded outputs have zero scales.
 
     Raises:
         ValueError: ``K`` is not a multiple of 32.
@@ -139,8 +135,14 @@ def pack_weight(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.
     pad = (-n) % 16
     q = torch.nn.functional.pad(weight.q, (0, 0, 0, pad))
     groups, blocks = (n + pad) // 16, k // BLOCK
-    if weight.bits == 4:
+    high = None
+    if weight.bits in (4, 5):
         q = q.reshape(groups, 16, blocks, 8, 2, 2)  # [g, j, b, h, t, e]: k = 32b + 4h + 2t + e
+        if weight.bits == 5:
+            bits = ((q >> 4) & 1).permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 8, 2, 32).to(torch.int64)  # [g, b, h, t, 2j + e]
+            words = (bits << torch.arange(32)).sum(-1)
+            high = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+            q = q & 0x0F
         packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, h, j, e]
     else:
         signed = q ^ 0x80  # the byte of q - 128 as int8
@@ -150,54 +152,69 @@ def pack_weight(weight: BlockWeight) -> tuple[torch.Tensor, torch.Tensor, torch.
         if values is None:
             return None
         values = torch.nn.functional.pad(values, (0, 0, 0, pad))
-        return values.reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()
+        return values.reshape(groups, 16, -1).permute(0, 2, 1).contiguous()
 
-    return packed, per_group(weight.scales), per_group(weight.mins)
+    return packed, *(per_group(v) for v in (weight.scales, weight.mins, weight.super_scales, weight.super_mins)), high
 
 
 def block_linear(x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int, offset: int, bits: int) -> torch.Tensor:
     """``x @ W.T + bias`` on a weight from :func:`pack_weight` (``packed``), by its kernel."""
-    qweight, scales, mins = packed
-    if bits == 4:
-        return torch.ops.carpool_cpu.q4_linear(x, qweight, scales, mins, bias, out_features, offset)
-    return torch.ops.carpool_cpu.q8_linear(x, qweight, scales, bias, out_features)
+    qweight, scales, mins, super_scales, super_mins, high = packed
+    if bits in (4, 5):
+        return torch.ops.carpool_cpu.q4_linear(x, qweight, scales, mins, bias, out_features, offset, super_scales, super_mins, high)
+    return torch.ops.carpool_cpu.q8_linear(x, qweight, scales, bias, out_features, super_scales)
 
 
 def _q4_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.carpool_cpu.q4_linear(
         x, self.carpool_q_weight, self.carpool_q_scales, self.carpool_q_mins, self.bias,
-        self.carpool_out_features, self.carpool_q_offset,
+        self.carpool_out_features, self.carpool_q_offset, self.carpool_q_super_scales, self.carpool_q_super_mins,
+        self.carpool_q_high,
     )
 
 
 def _q8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.carpool_cpu.q8_linear(x, self.carpool_q_weight, self.carpool_q_scales, self.bias, self.carpool_out_features)
+    return torch.ops.carpool_cpu.q8_linear(
+        x, self.carpool_q_weight, self.carpool_q_scales, self.bias, self.carpool_out_features, self.carpool_q_super_scales,
+    )
+
+
+def as_eight_bit(weight: BlockWeight) -> BlockWeight:
+    """A Q5_0 weight (5-bit values, no minimums) as 8-bit blocks standing for the same weights
+    (each value minus the offset as a signed byte); any other weight as it is."""
+    if weight.bits != 5 or weight.mins is not None or weight.super_scales is not None:
+        return weight
+    return BlockWeight((weight.q.to(torch.int16) - weight.offset + 128).to(torch.uint8), weight.scales, None, 128, 8)
 
 
 def use_blocks(module: torch.nn.Linear, weight: BlockWeight) -> None:
     """Route ``module`` through its kernel on ``weight`` and release its dense weight (an empty
     tensor of its dtype stays as ``weight``; a weight shared with another module, a tied input
-    embedding, stays with that module).
+    embedding, stays with that module). Where the build's 5-bit path does not pay (AVX2:
+    ``carpool_cpu::q4_planes_pay``), a Q5_0 weight goes to the 8-bit kernel (:func:`as_eight_bit`).
 
     Raises:
         ValueError: ``weight``'s shape is not the module's ``[out_features, in_features]``.
     """
     if weight.shape != tuple(module.weight.shape):
         raise ValueError(f"quantized weight {weight.shape} does not fit a linear layer of {tuple(module.weight.shape)}")
-    module.carpool_q_weight, module.carpool_q_scales, module.carpool_q_mins = pack_weight(weight)
+    if weight.bits == 5 and not torch.ops.carpool_cpu.q4_planes_pay():
+        weight = as_eight_bit(weight)
+    (module.carpool_q_weight, module.carpool_q_scales, module.carpool_q_mins, module.carpool_q_super_scales,
+     module.carpool_q_super_mins, module.carpool_q_high) = pack_weight(weight)
     module.carpool_q_offset = weight.offset
     module.carpool_out_features, module.carpool_in_features = weight.shape
-    module.forward = types.MethodType(_q4_forward if weight.bits == 4 else _q8_forward, module)
+    module.forward = types.MethodType(_q8_forward if weight.bits == 8 else _q4_forward, module)
     module.weight = torch.nn.Parameter(module.weight.data.new_empty(0), requires_grad=False)
 
 
 def embed_from_blocks(embedding: torch.nn.Module, head: torch.nn.Linear, dtype: torch.dtype) -> bool:
-    """Have a plain ``nn.Embedding`` tied to ``head`` read its rows from the head's Q8_0 blocks
+    """Have a plain ``nn.Embedding`` tied to ``head`` read its rows from the head's 8-bit blocks
     (:func:`_embed_from_blocks`) and release its dense weight; False (nothing changed) where the
     head is not on the 8-bit kernel or the embedding is another module."""
     if getattr(head.forward, "__func__", None) is not _q8_forward or type(embedding) is not torch.nn.Embedding:
         return False
-    embedding.carpool_q_rows = (head.carpool_q_weight, head.carpool_q_scales)
+    embedding.carpool_q_rows = (head.carpool_q_weight, head.carpool_q_scales, head.carpool_q_super_scales)
     embedding.carpool_dtype = dtype
     embedding.forward = types.MethodType(_embed_from_blocks, embedding)
     embedding.weight = torch.nn.Parameter(embedding.weight.data.new_empty(0), requires_grad=False)
@@ -205,13 +222,16 @@ def embed_from_blocks(embedding: torch.nn.Module, head: torch.nn.Linear, dtype: 
 
 
 def _embed_from_blocks(self: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
-    """The input embedding of a tied model whose output layer reads Q8_0 blocks, from those blocks:
-    token ``t``'s row is output ``t`` of the packed weight (``[G, B, 16, 16, 2]``: group ``t // 16``,
-    lane ``t % 16``, its ``B x 32`` signed bytes in ascending k) times its blocks' scales, computed in float32
-    and rounded to the model's dtype: the values the blocks stand for. ``input_ids`` ``[...]``
-    (ids below V: the engine checks them) -> ``[..., K]``."""
-    qweight, scales = self.carpool_q_rows
+    """The input embedding of a tied model whose output layer reads 8-bit blocks, from those
+    blocks: token ``t``'s row is output ``t`` of the packed weight (``[G, B, 16, 16, 2]``: group ``t
+    // 16``, lane ``t % 16``, its ``B x 32`` signed bytes in ascending k) times its blocks' scales
+    (Q6_K: each sub-block's int8 scale times its super-block's), computed in float32 and rounded to
+    the model's dtype: the values the blocks stand for. ``input_ids`` ``[...]`` (ids below V: the
+    engine checks them) -> ``[..., K]``."""
+    qweight, scales, supers = self.carpool_q_rows
     group, lane = input_ids // 16, input_ids % 16
-    q = qweight[group, :, :, lane, :].reshape(*input_ids.shape, -1, 32).view(torch.int8)  # [..., B, 32]
-    d = scales[group, :, lane].float().unsqueeze(-1)  # [..., B, 1]
-    return (d * q.float()).reshape(*input_ids.shape, -1).to(self.carpool_dtype)
+    q = qweight[group, :, :, lane, :].reshape(*input_ids.shape, scales.shape[1], -1).view(torch.int8)  # [..., B', K / B']
+    d = scales[group, :, lane].float()  # [..., B']
+    if supers is not None:
+        d = d * supers[group, :, lane].float().repeat_interleave(scales.shape[1] // supers.shape[1], dim=-1)
+    return (d.unsqueeze(-1) * q.float()).reshape(*input_ids.shape, -1).to(self.carpool_dtype)

@@ -8,11 +8,12 @@ GGUF loader does it (the ``gguf`` package's ``get_tensor_name_map`` for the file
 projections are put back in transformers' order with its ``LlamaTensorProcessor`` (llama.cpp's
 converter permutes them; a row permutation moves whole blocks, so it applies to the blocks as is).
 
-Types: Q4_0, Q4_1 and Q8_0 go to the kernels; F32, F16 and BF16 layers stay as loaded; any other
-type of a linear layer (K-quants, ...) is refused, naming the tensor and its type. A tied output
-layer (no ``output.weight`` in the file) is computed from the input embedding's tensor where its
-type is one of those (else both stay as loaded: llama.cpp often stores it as Q6_K); where it
-is Q8_0, the input embedding reads its rows from the same packed blocks (:func:`~replica.quant.blocks.embed_from_blocks`)
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K (4-bit kernel, 5-bit values with a plane of fifth
+bits), Q8_0 and Q6_K (8-bit kernel) go to the kernels (so the common Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K_S/M, Q5_K_S/M and Q6_K files run whole); F32, F16 and BF16 layers stay as loaded; any other
+type of a linear layer (Q2_K, Q3_K, IQ types, ...) is refused, naming the tensor and its type. A tied output layer (no ``output.weight`` in the file) is computed from the input
+embedding's tensor where its type is one of those (else both stay as loaded); where it is 8-bit
+(Q8_0, or Q6_K as llama.cpp's K-quant mixes store it), the input embedding reads its rows from the same packed blocks (:func:`~replica.quant.blocks.embed_from_blocks`)
 and its dense copy is released. Each packed layer is checked against the weight transformers
 de-quantized from the same tensor (equal after rounding to the model's dtype), so a wrong name map
 or row order fails at start, not in tokens.
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from replica.quant.blocks import BLOCK_TYPES, dequantize, embed_from_blocks, split_gguf_blocks, use_blocks
+from replica.quant.blocks import dequantize, embed_from_blocks, use_blocks
+from replica.quant.gguf_blocks import GGUF_BLOCK_TYPES, split_gguf_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ _ROW_SAFE_PROCESSORS = ("llama",)
 
 
 def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
-    """Route each linear layer of ``model`` stored as Q4_0, Q4_1 or Q8_0 in ``gguf_file`` (and a
+    """Route each linear layer of ``model`` stored as a type of ``GGUF_BLOCK_TYPES`` in ``gguf_file`` (and a
     tied output layer, from the input embedding's tensor) through its kernel; returns how many.
 
     Raises:
@@ -77,12 +79,12 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
         if tensor is None or tensor.tensor_type.name in DENSE_TYPES:
             continue
         type_name = tensor.tensor_type.name
-        if type_name not in BLOCK_TYPES and module is head and tied:
-            continue  # the tied head and embedding stay as transformers loaded them (often Q6_K)
-        if type_name not in BLOCK_TYPES:
+        if type_name not in GGUF_BLOCK_TYPES and module is head and tied:
+            continue  # the tied head and embedding stay as transformers loaded them
+        if type_name not in GGUF_BLOCK_TYPES:
             raise ValueError(
                 f"{gguf_file}: tensor {tensor_name} ({target}) is {type_name}; quantization gguf computes "
-                f"{', '.join(BLOCK_TYPES)} layers ({', '.join(DENSE_TYPES)} stay as they are)"
+                f"{', '.join(GGUF_BLOCK_TYPES)} layers ({', '.join(DENSE_TYPES)} stay as they are)"
             )
         raw = processor.process(weights=tensor.data, name=tensor_name).weights
         weight = split_gguf_blocks(torch.from_numpy(raw.copy()), type_name)

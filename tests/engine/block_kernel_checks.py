@@ -9,28 +9,71 @@ import numpy as np
 import pytest
 import torch
 
-from replica.quant.blocks import block_linear, dequantize, pack_weight, split_gguf_blocks
+from replica.quant.blocks import as_eight_bit, block_linear, dequantize, pack_weight
+from replica.quant.gguf_blocks import split_gguf_blocks
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def ggml_blocks(weight: torch.Tensor, type_name: str) -> np.ndarray:
-    """``weight`` [N, K] quantized by the gguf package (ggml's reference quantizer): uint8 [N, bytes]."""
+    """``weight`` [N, K] quantized: uint8 [N, bytes] in ggml's layout of ``type_name``, by the gguf
+    package (ggml's reference quantizer) where it has one, else (K-quants) by :func:`k_quant_blocks`."""
     import gguf
 
+    if type_name.endswith("_K"):
+        return k_quant_blocks(weight, type_name)
     return gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType[type_name])
 
 
+def k_quant_blocks(weight: torch.Tensor, type_name: str) -> np.ndarray:
+    """A plain Q4_K, Q5_K or Q6_K quantizer (round to nearest per sub-block under scales rounded to
+    the super-block's 6 or 8 bits; llama.cpp's own searches for better scales, which does not
+    change the layout): ``weight`` [N, K] (K a multiple of 256) -> uint8 [N, K / 256 * (144, 176
+    or 210)], in the byte layout ``gguf.quants`` de-quantizes (``replica.quant.gguf_blocks`` draws it)."""
+    w = weight.detach().double().reshape(-1, 256)  # super-blocks
+    supers = w.shape[0]
+    if type_name in ("Q4_K", "Q5_K"):
+        top = 15 if type_name == "Q4_K" else 31
+        sub = w.reshape(supers, 8, 32)
+        low = sub.amin(-1).clamp(max=0)  # the minimum is subtracted: m >= 0
+        scale = (sub.amax(-1) - low) / top
+        d, dmin = (scale.amax(-1) / 63).half(), (-low).amax(-1).div(63).half()
+        sc = (scale / d.double().clamp(min=1e-30)[:, None]).round().clamp(0, 63).to(torch.uint8)
+        m = (-low / dmin.double().clamp(min=1e-30)[:, None]).round().clamp(0, 63).to(torch.uint8)
+        step = (d.double()[:, None] * sc.double()).clamp(min=1e-30)
+        q = ((sub + (dmin.double()[:, None] * m.double())[..., None]) / step[..., None]).round().clamp(0, top).to(torch.uint8)
+        packed_scales = torch.cat([
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6), (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
+        ], dim=1)
+        high = [sum(((q[:, s] >> 4) & 1) << s for s in range(8)).to(torch.uint8)] if top == 31 else []  # bit s of qh[i]: element 32s + i
+        low4 = (q & 0x0F).reshape(supers, 4, 2, 32)
+        body = [d.view(torch.uint8).reshape(supers, 2), dmin.view(torch.uint8).reshape(supers, 2), packed_scales,
+                *high, (low4[:, :, 0] | (low4[:, :, 1] << 4)).reshape(supers, 128)]
+    else:
+        sub = w.reshape(supers, 16, 16)
+        scale = sub.abs().amax(-1) / 32
+        d = (scale.abs().amax(-1) / 127).half()
+        sc = (scale / d.double().clamp(min=1e-30)[:, None]).round().clamp(-128, 127).to(torch.int8)
+        step = (d.double()[:, None] * sc.double()).clamp(min=1e-30)
+        q = ((sub / step[..., None]).round().clamp(-32, 31) + 32).to(torch.uint8).reshape(supers, 2, 128)  # [s, h, r]
+        low, high = q & 0x0F, q >> 4
+        ql = low[..., :64] | (low[..., 64:] << 4)  # nibble r // 64 of ql[64h + r % 64]
+        qh = high[..., :32] | (high[..., 32:64] << 2) | (high[..., 64:96] << 4) | (high[..., 96:] << 6)  # bits 2 (r // 32) of qh[32h + r % 32]
+        body = [ql.reshape(supers, 128), qh.reshape(supers, 64), sc.view(torch.uint8), d.view(torch.uint8).reshape(supers, 2)]
+    return torch.cat(body, dim=1).reshape(weight.shape[0], -1).numpy()
+
+
 def check_block_kernel(type_name: str, dtype: torch.dtype) -> None:
-    """40 outputs (two full groups of 16 and a padded one), K = 96, with a bias; against the
-    de-quantized weights in float64, up to the output's rounding (bf16), or float32 sums; every row
-    alone is bit-equal to the same row in batches of 2 to 37 rows (row blocks of 8 on AVX512 and 4
-    on AVX2, full and partial)."""
+    """40 outputs (two full groups of 16 and a padded one), K = 96 (K-quants: 512), with a bias;
+    against the de-quantized weights in float64, up to the output's rounding (bf16), or float32
+    sums; every row alone is bit-equal to the same row in batches of 2 to 37 rows (row blocks of 8
+    on AVX512 and 4 on AVX2, full and partial)."""
     torch.manual_seed(1)
-    weight = split_gguf_blocks(torch.from_numpy(ggml_blocks(torch.randn(40, 96), type_name)), type_name)
+    k = 512 if type_name.endswith("_K") else 96
+    weight = split_gguf_blocks(torch.from_numpy(ggml_blocks(torch.randn(40, k), type_name)), type_name)
     packed = pack_weight(weight)
     bias = torch.randn(40).to(dtype)
-    x = torch.randn(37, 96).to(dtype)
+    x = torch.randn(37, k).to(dtype)
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         return block_linear(rows, packed, bias, 40, weight.offset, weight.bits)
@@ -44,6 +87,10 @@ def check_block_kernel(type_name: str, dtype: torch.dtype) -> None:
     for rows in (2, 3, 4, 5, 8, 9, 17, 37):
         assert torch.equal(run(x[:rows]), alone[:rows]), rows
     assert run(x[:0]).shape == (0, 40)
+    if type_name == "Q5_0":  # the 8-bit kernel on the same values (what AVX2 builds run it on)
+        eight = as_eight_bit(weight)
+        assert eight.bits == 8 and torch.equal(dequantize(eight), dequantize(weight))
+        torch.testing.assert_close(block_linear(x, pack_weight(eight), bias, 40, 128, 8).double(), expected, **tolerance)
     with pytest.raises(RuntimeError, match="do not match the packed weight"):
         run(x[:, :0])  # rows without features: not this weight's K
     with pytest.raises(RuntimeError, match="kernel for x of Half"):

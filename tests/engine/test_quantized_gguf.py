@@ -13,7 +13,8 @@ import torch
 
 from replica import LLM, SamplingParams
 from replica.kernels import cpu_kernels
-from replica.quant.blocks import BlockWeight, dequantize, pack_weight, split_gguf_blocks
+from replica.quant.blocks import BlockWeight, dequantize, pack_weight
+from replica.quant.gguf_blocks import split_gguf_blocks
 from tests.engine.block_kernel_checks import TYPES, check_block_kernel, ggml_blocks
 from tests.engine.test_real_model import CHATS as REAL_MODEL_CHATS
 from tests.helpers import ON_TEST_DEVICE, assert_idle
@@ -29,16 +30,20 @@ def test_blocks_read_as_ggml_writes_them(type_name):
     import gguf
 
     torch.manual_seed(0)
-    raw = ggml_blocks(torch.randn(48, 96), type_name)
+    k = 512 if type_name.endswith("_K") else 96  # K-quants: super-blocks of 256
+    raw = ggml_blocks(torch.randn(48, k), type_name)
     weight = split_gguf_blocks(torch.from_numpy(raw), type_name)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-    assert weight.shape == (48, 96) and (weight.mins is None) == (type_name != "Q4_1")
+    assert weight.shape == (48, k) and (weight.mins is None) == (type_name not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+    assert (weight.super_scales is None) == (not type_name.endswith("_K"))
     assert torch.equal(dequantize(weight), torch.from_numpy(expected))
 
 
 def test_other_block_types_and_shapes_are_refused():
-    with pytest.raises(ValueError, match="Q6_K"):
-        split_gguf_blocks(torch.zeros(2, 210, dtype=torch.uint8), "Q6_K")
+    with pytest.raises(ValueError, match="Q3_K"):
+        split_gguf_blocks(torch.zeros(2, 110, dtype=torch.uint8), "Q3_K")
+    with pytest.raises(ValueError, match="not whole 210-byte blocks"):
+        split_gguf_blocks(torch.zeros(2, 200, dtype=torch.uint8), "Q6_K")
     with pytest.raises(ValueError, match="not whole 20-byte blocks"):
         split_gguf_blocks(torch.zeros(2, 30, dtype=torch.uint8), "Q4_1")
     odd = BlockWeight(torch.zeros(16, 40, dtype=torch.uint8), torch.ones(16, 1).half(), None, 8, 4)
@@ -70,7 +75,7 @@ def test_avx2_kernels_forced_on_an_avx512_cpu(tmp_path):
     code = f"from tests.engine.block_kernel_checks import forced_arch_checks; forced_arch_checks({FORCED_ARCH!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "checked 6" in out.stdout
+    assert f"checked {2 * len(TYPES)}" in out.stdout
 
 
 def _llama_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -79,9 +84,9 @@ def _llama_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model, path, types: dict[str, str], permute: bool = True) -> None:
+def write_gguf(model, path, types: dict[str, str], permute: bool = True, default: str = "Q4_1") -> None:
     """Write ``model``'s decoder linears and its (tied) input embedding to a GGUF file as
-    llama.cpp would (Q4_1, the embedding Q8_0, unless ``types`` names another type for a GGUF
+    llama.cpp would (``default``, the embedding Q8_0, unless ``types`` names another type for a GGUF
     tensor name), and set each weight to the blocks' de-quantized values (as transformers would
     load them from that file)."""
     import gguf
@@ -97,7 +102,7 @@ def write_gguf(model, path, types: dict[str, str], permute: bool = True) -> None
         weight = module.weight.detach().float()
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(gguf_name.split(".")[-1])
         stored = _llama_permute(weight, heads) if heads and permute else weight
-        type_name = types.get(gguf_name + ".weight", "Q4_1")
+        type_name = types.get(gguf_name + ".weight", default)
         raw = ggml_blocks(stored, type_name)
         writer.add_tensor(gguf_name + ".weight", raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
         values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]))
@@ -146,18 +151,56 @@ def test_a_tiny_llama_from_its_gguf_file_computes_its_weights(tiny_llama, tmp_pa
 
 
 @needs_bf16
+def test_a_k_quant_mix_computes_its_weights():
+    """A Llama wide enough for K-quants (K a multiple of 256) written as llama.cpp's K-quant mixes
+    write such models: attention and gate Q4_K, up projections Q5_K and Q5_1, a down projection
+    Q6_K and one Q5_0 (what llama.cpp writes for Q4_K where K is not whole super-blocks), the
+    tied embedding Q6_K. Every layer goes
+    to the kernels, the embedding reads its rows from the head's Q6_K blocks, and the logits are
+    the same de-quantized weights' in float32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from replica.quant.gguf_weights import quantize_from_gguf
+    from tests.engine.conftest import TINY
+
+    torch.manual_seed(5)
+    config = LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    types = {
+        "token_embd.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K", "blk.1.ffn_down.weight": "Q5_0",
+        "blk.0.ffn_up.weight": "Q5_K", "blk.1.ffn_up.weight": "Q5_1",
+    }
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "mix.gguf"
+        write_gguf(model, path, types, default="Q4_K")
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 33, 30, 12630, 17]])
+        embedded = model.get_input_embeddings()(ids)
+        assert quantize_from_gguf(model, path) == 7 * config.num_hidden_layers + 1
+    assert model.lm_head.weight.numel() == 0 and model.get_input_embeddings().weight.numel() == 0
+    assert torch.equal(model.get_input_embeddings()(ids), embedded)
+    with torch.no_grad():
+        got, expected = model(ids).logits.float(), reference(ids).logits
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@needs_bf16
 def test_unsupported_types_and_mismatched_tensors_are_refused_by_name(tiny_llama, tmp_path):
     """A linear layer of a type the kernels do not read, or whose blocks are not the weight
     transformers loaded, stops the start and is named; a tied head of such a type stays dense."""
     from replica.quant.gguf_weights import quantize_from_gguf
 
     model = _tiny(tiny_llama)
-    write_gguf(model, tmp_path / "q5.gguf", {"blk.1.ffn_down.weight": "Q5_0"})
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight \(model\.layers\.1\.mlp\.down_proj\) is Q5_0"):
-        quantize_from_gguf(model, tmp_path / "q5.gguf")
+    write_gguf(model, tmp_path / "fp4.gguf", {"blk.1.ffn_down.weight": "MXFP4"})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight \(model\.layers\.1\.mlp\.down_proj\) is MXFP4"):
+        quantize_from_gguf(model, tmp_path / "fp4.gguf")
     model = _tiny(tiny_llama)
-    write_gguf(model, tmp_path / "q5-head.gguf", {"token_embd.weight": "Q5_0"})  # a tied head of another type
-    assert quantize_from_gguf(model, tmp_path / "q5-head.gguf") == 7 * model.config.num_hidden_layers
+    write_gguf(model, tmp_path / "fp4-head.gguf", {"token_embd.weight": "MXFP4"})  # a tied head of another type
+    assert quantize_from_gguf(model, tmp_path / "fp4-head.gguf") == 7 * model.config.num_hidden_layers
     assert model.lm_head.weight is model.get_input_embeddings().weight and model.lm_head.weight.numel() > 0
     model = _tiny(tiny_llama)
     write_gguf(model, tmp_path / "unpermuted.gguf", {}, permute=False)  # rows not in llama.cpp's order

@@ -20,7 +20,8 @@ import torch
 
 from replica import LLM, SamplingParams
 from replica.kernels import cpu_kernels
-from replica.quant.blocks import dequantize, quantize_q4_1, quantize_q8_0, split_gguf_blocks
+from replica.quant.blocks import dequantize, quantize_q4_1, quantize_q8_0
+from replica.quant.gguf_blocks import split_gguf_blocks
 from tests.engine.test_quantized_gguf import TEXT
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 

@@ -1,6 +1,7 @@
 // What the kernels for GGUF's blocks (cpu_linear_q4.cpp, cpu_linear_q8.cpp) share: their operands'
-// checks and setup, each row's block sums of x, the walk over groups of 16 outputs and blocks of
-// rows, and the store of one group's outputs.
+// checks and setup, where a block's scales are (fp16, or a K-quant's two levels), each row's block
+// sums of x, the walk over groups of 16 outputs and blocks of rows, and the store of one group's
+// outputs.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -23,6 +24,19 @@ inline at::Tensor empty_output(const at::Tensor& x, int64_t out_features) {
   return at::empty(shape, x.options());
 }
 
+// Where a group's block scales (or minimums) are. GGUF's block types hold an fp16 value per block
+// of 32 (`d` [G, B, 16]); its K-quants an integer per sub-block (`sub` [G, B * PB, 16]: uint8, or
+// int8 where `sub_signed`; PB sub-blocks per block of 32) times an fp16 value per super-block of
+// 256 (`d` [G, B / 8, 16]), whose product is exact in float32 (11 by at most 8 significant bits).
+// `negate`: the value is subtracted (Q4_K's minimums: w = d * sc * q - dmin * m).
+struct Scales {
+  const uint16_t* d = nullptr;
+  const uint8_t* sub = nullptr;
+  bool sub_signed = false;
+  bool negate = false;
+  explicit operator bool() const { return d != nullptr; }
+};
+
 // A block op's operands, checked: x [..., K] as `x2` [rows, K] (contiguous), the output `y`
 // [..., out_features] of x's dtype, the bias in float32 (`bias_f`, undefined without one) and the
 // raw pointers the row kernels read.
@@ -30,15 +44,35 @@ struct Operands {
   int64_t K, rows, groups, blocks;
   at::Tensor x2, y, bias_f;
   const uint8_t* q;
-  const uint16_t* d;
+  Scales d;
   const float* bias;
 };
 
+// Checks a K-quant's scales (or minimums): `sub` [G, B * per_block, 16] of `sub_type` and `super`
+// fp16 [G, B / 8, 16] (K a multiple of 256); `op` and `what` name them in the errors (RuntimeError).
+inline Scales check_super(const char* op, const char* what, const at::Tensor& sub, const at::Tensor& super, int64_t groups,
+                          int64_t blocks, int64_t per_block, at::ScalarType sub_type) {
+  TORCH_CHECK(blocks % 8 == 0, op, ": K-quant ", what, " need K to be a multiple of 256, not ", blocks * 32);
+  TORCH_CHECK(sub.sizes() == at::IntArrayRef({groups, blocks * per_block, 16}) && sub.is_contiguous() &&
+                  sub.scalar_type() == sub_type,
+              op, ": K-quant ", what, " must be ", sub_type, " [", groups, ", ", blocks * per_block, ", 16]");
+  TORCH_CHECK(super.sizes() == at::IntArrayRef({groups, blocks / 8, 16}) && super.is_contiguous() &&
+                  super.scalar_type() == at::kHalf,
+              op, ": K-quant super-block ", what, " must be fp16 [", groups, ", ", blocks / 8, ", 16]");
+  Scales s;
+  s.d = reinterpret_cast<const uint16_t*>(super.data_ptr<at::Half>());
+  s.sub = static_cast<const uint8_t*>(sub.data_ptr());
+  s.sub_signed = sub_type == at::kChar;
+  return s;
+}
+
 // Checks `qweight` ([G, B, steps, 16, 2] uint8 from replica.quant.blocks.pack_weight: steps 8
-// quarters for 4 bits, 16 k-pairs for 8), `scales` (fp16 [G, B, 16]) and `bias` (out_features
-// values) against x and out_features; `op` names the op in the errors (RuntimeError).
+// quarters for 4 bits, 16 k-pairs for 8), `scales` (fp16 [G, B, 16], or with `super_scales` a
+// K-quant's: check_super, `per_block` sub-blocks per block of `sub_type`) and `bias`
+// (out_features values) against x and out_features; `op` names the op in the errors (RuntimeError).
 inline Operands check_operands(const char* op, const at::Tensor& x, const at::Tensor& qweight, int64_t steps,
-                               const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t out_features) {
+                               const at::Tensor& scales, const std::optional<at::Tensor>& super_scales, int64_t per_block,
+                               at::ScalarType sub_type, const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(qweight.dim() == 5 && qweight.size(2) == steps && qweight.size(3) == 16 && qweight.size(4) == 2 &&
                   qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
               op, ": qweight must come from replica.quant.blocks.pack_weight");
@@ -49,16 +83,20 @@ inline Operands check_operands(const char* op, const at::Tensor& x, const at::Te
   TORCH_CHECK(o.K == o.blocks * 32 && o.groups == (out_features + 15) / 16, op, ": x [..., ", o.K, "] and out_features ",
               out_features, " do not match the packed weight ", qweight.sizes());
   o.rows = o.K ? x.numel() / o.K : 0;
-  TORCH_CHECK(scales.sizes() == at::IntArrayRef({o.groups, o.blocks, 16}) && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kHalf,
-              op, ": scales must be fp16 [", o.groups, ", ", o.blocks, ", 16]");
+  if (super_scales.has_value() && super_scales->defined()) {
+    o.d = check_super(op, "scales", scales, *super_scales, o.groups, o.blocks, per_block, sub_type);
+  } else {
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef({o.groups, o.blocks, 16}) && scales.is_contiguous() &&
+                    scales.scalar_type() == at::kHalf,
+                op, ": scales must be fp16 [", o.groups, ", ", o.blocks, ", 16]");
+    o.d.d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  }
   TORCH_CHECK(!bias.has_value() || !bias->defined() || bias->numel() == out_features, op, ": bias must have ",
               out_features, " elements");
   o.x2 = x.reshape({o.rows, o.K}).contiguous();
   o.y = empty_output(x, out_features);
   if (bias.has_value() && bias->defined()) o.bias_f = bias->to(at::kFloat).contiguous();
   o.q = qweight.data_ptr<uint8_t>();
-  o.d = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   o.bias = o.bias_f.defined() ? o.bias_f.data_ptr<float>() : nullptr;
   return o;
 }
@@ -106,17 +144,26 @@ void for_each_row_block(int64_t groups, int64_t rows, F&& f) {
 }
 
 #if defined(__AVX512F__)
-// The end of block b for M rows: acc[m] += d * (even[m] + odd[m]), then, with minimums (Q4_1),
-// acc[m] += m * xsum[m, b]; d and m are the group's 16 fp16 values for the block (d_block, m_block).
+// The 16 lanes' scale (or minimum) of sub-block `part` of block b of `group` (`blocks` per row, PB
+// sub-blocks per block): the fp16 value, or d * sub for a K-quant (exact), negated where asked.
+template <int PB = 1>
+inline __m512 scale_of(const Scales& s, int64_t group, int64_t blocks, int64_t b, int part = 0) {
+  if (!s.sub) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * blocks + b) * 16)));
+  const __m512 super =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * (blocks / 8) + b / 8) * 16)));
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.sub + ((group * blocks + b) * PB + part) * 16));
+  const __m512 value = _mm512_mul_ps(super, _mm512_cvtepi32_ps(s.sub_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw)));
+  return s.negate ? _mm512_sub_ps(_mm512_setzero_ps(), value) : value;
+}
+
+// The end of a block (or sub-block) for M rows: acc[m] += scale * (even[m] + odd[m]), then, with
+// minimums (Q4_1, Q4_K), acc[m] += min * xsum[m, b].
 template <int M>
-void add_block(__m512* acc, const __m512* even, const __m512* odd, const uint16_t* d_block, const uint16_t* m_block,
-               const float* xsum, int64_t blocks, int64_t b) {
-  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d_block)));
+void add_block(__m512* acc, const __m512* even, const __m512* odd, __m512 scale, const __m512* min, const float* xsum,
+               int64_t blocks, int64_t b) {
   for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
-  if (m_block) {
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_block)));
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
-  }
+  if (min)
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(*min, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
 }
 
 inline __mmask16 group_mask(int64_t N, int64_t group) {
@@ -154,13 +201,22 @@ void store_rows(const __m512* acc, const float* bias, at::BFloat16* y, int64_t N
 // d * sum x q + (m - offset * d) * sum x.
 #define CARPOOL_BLOCKS_AVX2 1
 
-// The end of block b for M rows, 8 outputs: acc[m] += d * (even[m] + odd[m]) + (m - offset * d) * xsum[m, b].
+// As scale_of, for the 8 lanes of half `half` of the group.
+template <int PB = 1>
+inline __m256 scale_of_avx2(const Scales& s, int64_t group, int64_t blocks, int64_t b, int half, int part = 0) {
+  if (!s.sub) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * blocks + b) * 16 + half * 8)));
+  const __m256 super =
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * (blocks / 8) + b / 8) * 16 + half * 8)));
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.sub + ((group * blocks + b) * PB + part) * 16 + half * 8));
+  const __m256 value = _mm256_mul_ps(super, _mm256_cvtepi32_ps(s.sub_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw)));
+  return s.negate ? _mm256_sub_ps(_mm256_setzero_ps(), value) : value;
+}
+
+// The end of a block (or sub-block) for M rows, 8 outputs: acc[m] += scale * (even[m] + odd[m]),
+// then, where xsum is given, acc[m] += low * xsum[m, b] (low = m - offset * d).
 template <int M>
-inline void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, const uint16_t* d_block,
-                           const uint16_t* m_block, float offset, const float* xsum, int64_t blocks, int64_t b) {
-  const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_block)));
-  __m256 low = _mm256_mul_ps(scale, _mm256_set1_ps(-offset));
-  if (m_block) low = _mm256_add_ps(low, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block))));
+inline void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, __m256 scale, __m256 low, const float* xsum,
+                           int64_t blocks, int64_t b) {
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[m], odd[m]), acc[m]);
     if (xsum) acc[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsum[m * blocks + b]), acc[m]);
