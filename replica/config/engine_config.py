@@ -91,8 +91,8 @@ class EngineConfig(BaseModel):
 
     model: str = Field(
         DEFAULT_MODEL,
-        description="Hub id or local folder of a transformers model: a decoder-only LM, or an embedding model "
-        "(an encoder such as BertModel, served for /v1/embeddings only).",
+        description="Hub id or local folder of a transformers model, or a .gguf file: a decoder-only LM, or an "
+        "embedding model (an encoder such as BertModel, served for /v1/embeddings only).",
     )
     tokenizer: str | None = Field(None, description="Tokenizer id or folder; defaults to the model's.")
     dtype: str = Field(
@@ -108,8 +108,8 @@ class EngineConfig(BaseModel):
     quantization: Literal["gguf", "int8", "int4"] | None = Field(
         None,
         description=(
-            "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1 and Q8_0 blocks, "
-            "on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
+            "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+            "Q4_K, Q5_K and Q6_K blocks, so Q4_K_M and Q5_K_M files too, on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
             "tensor_parallel_size 1); the model is a .gguf file or the default model (its package ships a "
             "Q4_1 file). int8, int4: quantize a full-precision model's linear layers at load into blocks "
             "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels, each rank "

@@ -118,12 +118,26 @@ def resolve_gguf_model(model: str) -> tuple[str, Path]:
 
 def check_gguf_model(model: str) -> None:
     """Raises ``ValueError`` where ``model`` is neither a ``.gguf`` file name nor a packaged id
-    (what :func:`resolve_gguf_model` serves blocks from); reads no file."""
+    (what :func:`resolve_gguf_model` serves blocks from), or is a ``.gguf`` name that
+    :func:`check_gguf_file` refuses."""
     if not (model.endswith(".gguf") or model in _PACKAGED_MODELS):
         raise ValueError(
             f"quantization gguf needs a GGUF model: a .gguf file, or one of {sorted(_PACKAGED_MODELS)} (from its "
             f"package); {model!r} is neither"
         )
+    check_gguf_file(model)
+
+
+def check_gguf_file(model: str) -> None:
+    """Where ``model`` ends in ``.gguf``: raises ``ValueError`` if it is no file or does not start
+    with GGUF's magic bytes (``b"GGUF"``); reads 4 bytes, so ``carpool serve`` can say it before
+    Ray starts."""
+    if not model.endswith(".gguf"):
+        return
+    path = _gguf_path(model)
+    with open(path, "rb") as file:
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{model}: not a GGUF file (it does not start with GGUF's magic bytes)")
 
 
 def _gguf_path(model: str) -> Path:

@@ -89,7 +89,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str | None = None, scheme: str | None = None) -> int:
     """Compute ``model``'s linear layers on Carpool's CPU block kernels; returns how many: from
-    ``gguf_file``'s Q4_0, Q4_1 and Q8_0 blocks (:func:`replica.quant.gguf_weights.quantize_from_gguf`),
+    ``gguf_file``'s blocks (:func:`replica.quant.gguf_weights.quantize_from_gguf`),
     or quantized at load by ``scheme`` (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`);
     0 where there is neither (another ``scheme``, such as None, quantizes nothing).
 

@@ -84,10 +84,19 @@ def test_an_embedding_model_with_generation_settings_is_refused_before_ray_start
 
 
 def test_gguf_quantization_of_a_model_that_is_no_gguf_file_is_refused_before_ray_starts(tmp_path):
-    result = run_cli("serve", "--model", str(tmp_path), "--quantization", "gguf")
-    assert result.returncode != 0, result.stderr
-    assert "failed to start: quantization gguf needs a GGUF model: a .gguf file" in result.stderr
-    assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
+    """A folder with ``--quantization gguf``, a ``.gguf`` path with no file and a ``.gguf`` file
+    that is not GGUF (with or without the flag) are each named in the last line, before Ray."""
+    (tmp_path / "junk.gguf").write_bytes(b"not a model")
+    cases = [
+        ((str(tmp_path), "--quantization", "gguf"), "quantization gguf needs a GGUF model: a .gguf file"),
+        ((str(tmp_path / "missing.gguf"), "--quantization", "gguf"), "no such GGUF file"),
+        ((str(tmp_path / "junk.gguf"),), "junk.gguf: not a GGUF file"),
+    ]
+    for args, message in cases:
+        result = run_cli("serve", "--model", *args)
+        assert result.returncode != 0, result.stderr
+        assert "failed to start: " in result.stderr and message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
 
 
 def test_carpool_serve_with_config_file_and_api_key(tmp_path):

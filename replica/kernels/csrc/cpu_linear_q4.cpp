@@ -74,8 +74,10 @@ template <int M, bool Five>
 void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict xsum, const uint8_t* __restrict q,
                  const uint32_t* __restrict high, const carpool_blocks::Scales& d, const carpool_blocks::Scales& mins,
                  __m512 table, const float* __restrict bias, float* __restrict y, int64_t N, int64_t group, int64_t blocks) {
-  // A 5-bit value's fifth bit, lane j: bit 2j (k = 4h, 4h + 2) or 2j + 1 (k = 4h + 1, 4h + 3) of the quarter's words.
-  const __m512i even_bit = _mm512_sllv_epi32(_mm512_set1_epi32(1), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+  // A 5-bit value's fifth bit, lane j: bit 2j (k = 4h, 4h + 2) or 2j + 1 (k = 4h + 1, 4h + 3) of
+  // the quarter's words.
+  const __m512i even_bit =
+      _mm512_sllv_epi32(_mm512_set1_epi32(1), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
   const __m512i odd_bit = _mm512_slli_epi32(even_bit, 1);
   const __m512 sixteen = _mm512_set1_ps(16.f);
   __m512 acc[M];
@@ -96,7 +98,8 @@ void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict x
           _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), table)};
       if constexpr (Five) {  // + 16 where the fifth bit is set (exact)
         const uint32_t* hq = high + ((group * blocks + b) * 8 + h) * 2;
-        const __m512i low_words = _mm512_set1_epi32(static_cast<int>(hq[0])), high_words = _mm512_set1_epi32(static_cast<int>(hq[1]));
+        const __m512i low_words = _mm512_set1_epi32(static_cast<int>(hq[0]));
+        const __m512i high_words = _mm512_set1_epi32(static_cast<int>(hq[1]));
         w[0] = _mm512_mask_add_ps(w[0], _mm512_test_epi32_mask(low_words, even_bit), w[0], sixteen);
         w[1] = _mm512_mask_add_ps(w[1], _mm512_test_epi32_mask(low_words, odd_bit), w[1], sixteen);
         w[2] = _mm512_mask_add_ps(w[2], _mm512_test_epi32_mask(high_words, even_bit), w[2], sixteen);
@@ -134,7 +137,8 @@ void q4_rows_avx2(const float* __restrict x, int64_t K, const float* __restrict 
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     const uint8_t* qg = q + group * blocks * 256 + half * 16;
-    // A 5-bit value's fifth bit, lane j = 8 half + l, shifted to bit 4: bit 2j (k = 4h, 4h + 2) or 2j + 1 of the quarter's words.
+    // A 5-bit value's fifth bit, lane j = 8 half + l, moved to bit 4: bit 2j (k = 4h, 4h + 2) or
+    // 2j + 1 of the quarter's words.
     const __m256i even_shift = _mm256_add_epi32(_mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), _mm256_set1_epi32(16 * half - 4));
     for (int64_t b = 0; b < blocks; ++b) {
       __m256 even[M], odd[M];  // two chains per row: k = 4h, 4h + 2 and k = 4h + 1, 4h + 3
@@ -150,11 +154,13 @@ void q4_rows_avx2(const float* __restrict x, int64_t K, const float* __restrict 
             // the word's bit 2j + (i & 1) moved to bit 4: shift right by 2j + (i & 1) - 4 (left where negative)
             const __m256i words = _mm256_set1_epi32(static_cast<int>(hq[i >> 1]));
             const __m256i shift = _mm256_add_epi32(even_shift, _mm256_set1_epi32(i & 1));
-            const __m256i moved = _mm256_or_si256(_mm256_srlv_epi32(words, shift), _mm256_sllv_epi32(words, _mm256_sub_epi32(_mm256_setzero_si256(), shift)));
+            const __m256i moved = _mm256_or_si256(_mm256_srlv_epi32(words, shift),
+                                                  _mm256_sllv_epi32(words, _mm256_sub_epi32(_mm256_setzero_si256(), shift)));
             idx[i] = _mm256_or_si256(idx[i], _mm256_and_si256(moved, bit4));
           }
         }
-        const __m256 w[4] = {_mm256_cvtepi32_ps(idx[0]), _mm256_cvtepi32_ps(idx[1]), _mm256_cvtepi32_ps(idx[2]), _mm256_cvtepi32_ps(idx[3])};
+        const __m256 w[4] = {_mm256_cvtepi32_ps(idx[0]), _mm256_cvtepi32_ps(idx[1]), _mm256_cvtepi32_ps(idx[2]),
+                             _mm256_cvtepi32_ps(idx[3])};
         const int64_t k = b * 32 + h * 4;
         for (int m = 0; m < M; ++m) {
           even[m] = _mm256_fmadd_ps(w[0], _mm256_set1_ps(x[m * K + k]), even[m]);
@@ -272,8 +278,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const float* sums = has_mins || offset != 0 ? xs : nullptr;
   carpool_blocks::for_each_row_block<carpool_blocks::kRowBlockAvx2>(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
     const float* s = sums ? sums + r0 * blocks : nullptr;
-    if (five) q4_rows_avx2<M, true>(xf + r0 * K, K, s, qp, hp, dp, mp, static_cast<float>(offset), bb, yf + r0 * out_features, out_features, group, blocks);
-    else q4_rows_avx2<M, false>(xf + r0 * K, K, s, qp, hp, dp, mp, static_cast<float>(offset), bb, yf + r0 * out_features, out_features, group, blocks);
+    float* yr = yf + r0 * out_features;
+    if (five) q4_rows_avx2<M, true>(xf + r0 * K, K, s, qp, hp, dp, mp, static_cast<float>(offset), bb, yr, out_features, group, blocks);
+    else q4_rows_avx2<M, false>(xf + r0 * K, K, s, qp, hp, dp, mp, static_cast<float>(offset), bb, yr, out_features, group, blocks);
   });
   return y;
 #elif defined(__AVX512F__)
@@ -288,8 +295,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
     const float* xf = x2.data_ptr<float>();
     float* yf = y.data_ptr<float>();
     carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
-      if (five) q4_rows_f32<M, true>(xf + r0 * K, K, xs + r0 * blocks, qp, hp, dp, mp, table, bb, yf + r0 * out_features, out_features, group, blocks);
-      else q4_rows_f32<M, false>(xf + r0 * K, K, xs + r0 * blocks, qp, hp, dp, mp, table, bb, yf + r0 * out_features, out_features, group, blocks);
+      const float* s = xs + r0 * blocks;
+      float* yr = yf + r0 * out_features;
+      if (five) q4_rows_f32<M, true>(xf + r0 * K, K, s, qp, hp, dp, mp, table, bb, yr, out_features, group, blocks);
+      else q4_rows_f32<M, false>(xf + r0 * K, K, s, qp, hp, dp, mp, table, bb, yr, out_features, group, blocks);
     });
     return y;
   }
@@ -302,8 +311,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   auto* yb = y.data_ptr<at::BFloat16>();
   const int64_t pairs = K / 2;
   carpool_blocks::for_each_row_block(groups, rows, [&]<int M>(int64_t group, int64_t r0) {
-    if (five) q4_rows<M, true>(xb + r0 * pairs, pairs, xs + r0 * blocks, qp, hp, dp, mp, table, bb, yb + r0 * out_features, out_features, group, blocks);
-    else q4_rows<M, false>(xb + r0 * pairs, pairs, xs + r0 * blocks, qp, hp, dp, mp, table, bb, yb + r0 * out_features, out_features, group, blocks);
+    const float* s = xs + r0 * blocks;
+    at::BFloat16* yr = yb + r0 * out_features;
+    if (five) q4_rows<M, true>(xb + r0 * pairs, pairs, s, qp, hp, dp, mp, table, bb, yr, out_features, group, blocks);
+    else q4_rows<M, false>(xb + r0 * pairs, pairs, s, qp, hp, dp, mp, table, bb, yr, out_features, group, blocks);
   });
 #endif
   return y;
