@@ -44,8 +44,8 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
     Raises:
         ValueError: the file's architecture has a tensor processor that reshapes tensors (MoE
             experts, fused QKV); a linear layer's tensor has a type the kernel does not read (the
-            message names the tensor and its type); a packed layer disagrees with the weight
-            transformers de-quantized from it.
+            message names the tensor and its type); a layer's blocks stand for a NaN or infinite
+            weight; a packed layer disagrees with the weight transformers de-quantized from it.
     """
     from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -89,7 +89,10 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
         raw = processor.process(weights=tensor.data, name=tensor_name).weights
         weight = split_gguf_blocks(torch.from_numpy(raw.copy()), type_name)
         expected = module.weight.detach()
-        if weight.shape != tuple(expected.shape) or not torch.equal(dequantize(weight).to(expected.dtype), expected):
+        values = dequantize(weight)
+        if not values.isfinite().all():
+            raise ValueError(f"{gguf_file}: tensor {tensor_name} ({target}) holds non-finite weights (a NaN or infinite block scale)")
+        if weight.shape != tuple(expected.shape) or not torch.equal(values.to(expected.dtype), expected):
             raise ValueError(f"{gguf_file}: tensor {tensor_name} does not match {target} as transformers loads it")
         use_blocks(module, weight)
         if module is head and tied:

@@ -93,6 +93,11 @@ def check_block_kernel(type_name: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(block_linear(x, pack_weight(eight), bias, 40, 128, 8).double(), expected, **tolerance)
     with pytest.raises(RuntimeError, match="do not match the packed weight"):
         run(x[:, :0])  # rows without features: not this weight's K
+    if weight.bits == 8:  # a weight of no inputs: each output is its bias
+        y0 = torch.ops.carpool_cpu.q8_linear(x[:, :0], torch.zeros(3, 0, 16, 16, 2, dtype=torch.uint8), torch.zeros(3, 0, 16).half(), bias, 40)
+    else:
+        y0 = torch.ops.carpool_cpu.q4_linear(x[:, :0], torch.zeros(3, 0, 8, 16, 2, dtype=torch.uint8), torch.zeros(3, 0, 16).half(), None, bias, 40, 8)
+    assert torch.equal(y0, bias.expand(37, 40))
     with pytest.raises(RuntimeError, match="kernel for x of Half"):
         run(x.half())
 

@@ -190,8 +190,9 @@ def test_a_k_quant_mix_computes_its_weights():
 
 @needs_bf16
 def test_unsupported_types_and_mismatched_tensors_are_refused_by_name(tiny_llama, tmp_path):
-    """A linear layer of a type the kernels do not read, or whose blocks are not the weight
-    transformers loaded, stops the start and is named; a tied head of such a type stays dense."""
+    """A linear layer of a type the kernels do not read, whose blocks stand for a NaN, or whose
+    blocks are not the weight transformers loaded, stops the start and is named; a tied head of
+    such a type stays dense."""
     from replica.quant.gguf_weights import quantize_from_gguf
 
     model = _tiny(tiny_llama)
@@ -202,6 +203,16 @@ def test_unsupported_types_and_mismatched_tensors_are_refused_by_name(tiny_llama
     write_gguf(model, tmp_path / "fp4-head.gguf", {"token_embd.weight": "MXFP4"})  # a tied head of another type
     assert quantize_from_gguf(model, tmp_path / "fp4-head.gguf") == 7 * model.config.num_hidden_layers
     assert model.lm_head.weight is model.get_input_embeddings().weight and model.lm_head.weight.numel() > 0
+    model = _tiny(tiny_llama)
+    write_gguf(model, tmp_path / "nan.gguf", {})
+    data = bytearray((tmp_path / "nan.gguf").read_bytes())
+    import gguf
+
+    tensor = next(t for t in gguf.GGUFReader(str(tmp_path / "nan.gguf")).tensors if t.name == "blk.1.attn_k.weight")
+    data[tensor.data_offset : tensor.data_offset + 2] = b"\x00\x7e"  # the first block's fp16 scale: NaN
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"blk\.1\.attn_k\.weight \(model\.layers\.1\.self_attn\.k_proj\) holds non-finite weights"):
+        quantize_from_gguf(model, tmp_path / "nan.gguf")
     model = _tiny(tiny_llama)
     write_gguf(model, tmp_path / "unpermuted.gguf", {}, permute=False)  # rows not in llama.cpp's order
     with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight does not match model\.layers\.0\.self_attn\.q_proj"):
@@ -232,9 +243,10 @@ def test_missing_empty_and_truncated_gguf_files_are_refused_by_name(tmp_path):
     (tmp_path / "empty.gguf").touch()
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(packaged_gguf_path(DEFAULT_MODEL).read_bytes()[:1_000_000])
-    for path in (tmp_path / "empty.gguf", truncated):
-        with pytest.raises(ValueError, match=rf"{path}: not a GGUF model transformers can read"):
-            resolve_gguf_model(str(path))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'empty.gguf'}: not a GGUF file"):
+        resolve_gguf_model(str(tmp_path / "empty.gguf"))
+    with pytest.raises(ValueError, match=rf"{truncated}: not a GGUF model transformers can read"):
+        resolve_gguf_model(str(truncated))
 
 
 def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):

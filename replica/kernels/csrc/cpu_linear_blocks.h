@@ -82,7 +82,8 @@ inline Operands check_operands(const char* op, const at::Tensor& x, const at::Te
   o.blocks = qweight.size(1);
   TORCH_CHECK(o.K == o.blocks * 32 && o.groups == (out_features + 15) / 16, op, ": x [..., ", o.K, "] and out_features ",
               out_features, " do not match the packed weight ", qweight.sizes());
-  o.rows = o.K ? x.numel() / o.K : 0;
+  o.rows = 1;  // x's leading dimensions (K may be 0: each output is then its bias)
+  for (int64_t i = 0; i + 1 < x.dim(); ++i) o.rows *= x.size(i);
   if (super_scales.has_value() && super_scales->defined()) {
     o.d = check_super(op, "scales", scales, *super_scales, o.groups, o.blocks, per_block, sub_type);
   } else {
