@@ -3,11 +3,11 @@
 and ``cpu_linear_q8.cpp``, where the layouts are drawn). Blocks of 32 weights of one output row
 with an fp16 scale ``d`` (and, for Q4_1, a minimum ``m``): Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d *
 q + m`` (``q`` in 0..15), Q5_0 ``w = d * (q - 16)`` (``q`` in 0..31: the 4-bit kernel with a plane
-of fifth bits), Q8_0 ``w = d * q`` (``q`` a signed byte). GGUF's K-quants hold an integer
-scale (and minimum) per sub-block under fp16 ones per super-block of 256: Q4_K ``w = d * sc * q -
-dmin * m`` (sub-blocks of 32, ``q`` in 0..15), Q6_K ``w = d * sc * (q - 32)`` (sub-blocks of 16,
-``q`` in 0..63); they run on the same kernels, which multiply the two scales per block (exact in
-float32).
+of fifth bits; Q5_1 as Q4_1 with 5-bit ``q``), Q8_0 ``w = d * q`` (``q`` a signed byte). GGUF's
+K-quants hold an integer scale (and minimum) per sub-block under fp16 ones per super-block of 256:
+Q4_K and Q5_K ``w = d * sc * q - dmin * m`` (sub-blocks of 32, ``q`` in 0..15 or 0..31), Q6_K ``w =
+d * sc * (q - 32)`` (sub-blocks of 16, ``q`` in 0..63); they run on the same kernels, which
+multiply the two scales per block (exact in float32).
 
 * :func:`quantize_q8_0` and :func:`quantize_q4_1` make the blocks of a full-precision weight, as
   llama.cpp's reference quantizers do (``--quantization int8|int4``, :mod:`replica.quant.online`);
@@ -33,12 +33,12 @@ BLOCK = 32  # elements per block, along K
 class BlockWeight:
     """One linear layer's weight as blocks: ``q`` uint8 ``[N, K]`` (4-bit types: 0..15; Q5_0:
     0..31; 8-bit: the signed value plus 128), ``offset`` and ``bits`` (4, 5 or 8), and per block
-    of 32 ``scales`` and ``mins`` fp16 ``[N, K / 32]`` (``mins`` None but for Q4_1): ``w[n, k] =
+    of 32 ``scales`` and ``mins`` fp16 ``[N, K / 32]`` (``mins`` None but for Q4_1 and Q5_1): ``w[n, k] =
     scales[n, k // 32] * (q[n, k] - offset) + mins[n, k // 32]``.
 
     K-quants (``super_scales`` given, K a multiple of 256): ``scales`` are integers per sub-block of
-    ``K / scales.shape[1]`` values (uint8 for Q4_K, int8 for Q6_K), multiplied by ``super_scales``
-    fp16 ``[N, K / 256]``; Q4_K's ``mins`` are uint8 per sub-block of 32 times ``super_mins`` fp16,
+    ``K / scales.shape[1]`` values (uint8 for Q4_K and Q5_K, int8 for Q6_K), multiplied by
+    ``super_scales`` fp16 ``[N, K / 256]``; their ``mins`` are uint8 per sub-block of 32 times ``super_mins`` fp16,
     subtracted: ``w = S * sc * (q - offset) - M * m``."""
 
     q: torch.Tensor

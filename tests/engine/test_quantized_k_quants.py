@@ -30,9 +30,10 @@ def mix_file(tmp_path_factory):
 def test_a_k_quant_file_is_served_from_its_blocks_alone_equal_batched(mix_file, capsys):
     """Every linear layer on the kernels (Q4_K, and Q5_0 with its fifth bits, on the 4-bit kernel,
     Q5_0 on the 8-bit one where that is faster; Q6_K and Q8_0 on the 8-bit one); the eight chats at once (preempting, on the small pool) give each the
-    tokens it got alone; teacher-forced against float32 transformers on the file's de-quantized
+    tokens it got alone (eager); teacher-forced against float32 transformers on the file's de-quantized
     weights, at least 95 % of the greedy tokens agree and the others are near-ties (bf16
-    activations round each layer's input, as on Q4_1 in ``test_quantized_gguf.py``)."""
+    activations round each layer's input, as on Q4_1 in ``test_quantized_gguf.py``, which runs
+    the compiled engine)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +42,9 @@ def test_a_k_quant_file_is_served_from_its_blocks_alone_equal_batched(mix_file, 
     types = {t.tensor_type.name for t in gguf.GGUFReader(str(mix_file)).tensors}
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= types
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    with LLM(model=str(mix_file), quantization="gguf", **POOL) as llm:
+    # Eager: the kernels are opaque ops either way, and a compile of this model's graphs would
+    # double the module's time (the compiled path runs on the Q4_1 file in test_quantized_gguf.py).
+    with LLM(model=str(mix_file), quantization="gguf", compile=False, **POOL) as llm:
         runner = llm.engine.runner
         assert runner.num_quantized == 211  # 30 layers x 7 linears, the tied head
         assert runner.model.model.layers[2].mlp.down_proj.carpool_q_super_scales is not None  # Q6_K
@@ -60,7 +63,9 @@ def test_a_k_quant_file_is_served_from_its_blocks_alone_equal_batched(mix_file, 
     with capsys.disabled():
         print(f"\nK-quant mix, bf16 greedy vs float32: {agree}/{len(CHATS) * TOKENS} agree; logprob gaps where not: {gaps}")
     assert agree >= 0.95 * len(CHATS) * TOKENS
-    assert all(gap < 0.35 for gap in gaps), gaps
+    # Eager bf16 rounds each norm's steps apart (the compiled graph fuses them): its near-ties are
+    # wider than the compiled engine's 0.35 (docs/bench/k-quants-cpu.md, "Fidelity").
+    assert all(gap < 0.5 for gap in gaps), gaps
 
 
 @pytest.mark.skipif(not HAS_F32, reason="no block kernels on this CPU (they need AVX512F, or AVX2 with FMA and F16C)")

@@ -167,6 +167,19 @@ void add_block(__m512* acc, const __m512* even, const __m512* odd, __m512 scale,
     for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(*min, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
 }
 
+// add_block with block b's scale, and its minimum where `mins` is set, read from `d` and `mins`.
+template <int M>
+void add_block_of(__m512* acc, const __m512* even, const __m512* odd, const Scales& d, const Scales& mins,
+                  const float* xsum, int64_t group, int64_t blocks, int64_t b) {
+  const __m512 scale = scale_of(d, group, blocks, b);
+  if (!mins) {
+    add_block<M>(acc, even, odd, scale, nullptr, xsum, blocks, b);
+    return;
+  }
+  const __m512 min = scale_of(mins, group, blocks, b);
+  add_block<M>(acc, even, odd, scale, &min, xsum, blocks, b);
+}
+
 inline __mmask16 group_mask(int64_t N, int64_t group) {
   const int64_t left = N - group * 16;
   return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);

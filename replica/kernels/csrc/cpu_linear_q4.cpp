@@ -113,13 +113,7 @@ void q4_rows_f32(const float* __restrict x, int64_t K, const float* __restrict x
         odd[m] = _mm512_fmadd_ps(w[3], _mm512_set1_ps(x[m * K + k + 3]), odd[m]);
       }
     }
-    const __m512 scale = carpool_blocks::scale_of(d, group, blocks, b);
-    if (mins) {
-      const __m512 min = carpool_blocks::scale_of(mins, group, blocks, b);
-      carpool_blocks::add_block<M>(acc, even, odd, scale, &min, xsum, blocks, b);
-    } else {
-      carpool_blocks::add_block<M>(acc, even, odd, scale, nullptr, xsum, blocks, b);
-    }
+    carpool_blocks::add_block_of<M>(acc, even, odd, d, mins, xsum, group, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }
@@ -214,13 +208,7 @@ void q4_rows(const uint32_t* __restrict x, int64_t pairs, const float* __restric
         odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x[m * pairs + p + 1]));
       }
     }
-    const __m512 scale = carpool_blocks::scale_of(d, group, blocks, b);
-    if (mins) {
-      const __m512 min = carpool_blocks::scale_of(mins, group, blocks, b);
-      carpool_blocks::add_block<M>(acc, even, odd, scale, &min, xsum, blocks, b);
-    } else {
-      carpool_blocks::add_block<M>(acc, even, odd, scale, nullptr, xsum, blocks, b);
-    }
+    carpool_blocks::add_block_of<M>(acc, even, odd, d, mins, xsum, group, blocks, b);
   }
   carpool_blocks::store_rows<M>(acc, bias, y, N, group);
 }
