@@ -1,7 +1,8 @@
 """Looking a new request up in the prefix cache: its block hashes, made lazily
-(:func:`hash_blocks`), the cached blocks it may start from (:func:`cached_prefix`) and where
-its next chunk starts (:func:`first_chunk_start`). Plain
-functions of the scheduler's :class:`~replica.core.block_manager.BlockManager` and a request.
+(:func:`hash_blocks`), the cached blocks it may start from (:func:`cached_prefix`), where
+its next chunk starts (:func:`first_chunk_start`), and registering the blocks it fills
+(:func:`register_full_blocks`). Plain functions of the scheduler's
+:class:`~replica.core.block_manager.BlockManager` and a request.
 """
 
 from __future__ import annotations
@@ -38,3 +39,16 @@ def first_chunk_start(bm: BlockManager, request: Request) -> tuple[list[int] | N
     ``num_computed_tokens``)."""
     cached = cached_prefix(bm, request)
     return cached, len(cached) * bm.block_size if cached else request.num_computed_tokens
+
+
+def register_full_blocks(bm: BlockManager, request: Request, num_tokens: int) -> list[int]:
+    """Register in the prefix cache ``request``'s blocks that ``num_tokens`` tokens fill, past
+    those already registered (``request.num_cached_blocks``); returns the blocks newly cached
+    (``BlockManager.cache_blocks``'), none with caching off."""
+    full = num_tokens // bm.block_size
+    if not bm.enable_caching or full <= request.num_cached_blocks:
+        return []
+    hash_blocks(request, bm.block_size, full)
+    cached = bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
+    request.num_cached_blocks = full
+    return cached

@@ -34,7 +34,7 @@ from typing import ClassVar
 from replica.core.block_manager import BlockManager
 from replica.core.drafts import roll_back
 from replica.core.lora_limit import LoRAAdmission, running_loras
-from replica.core.prefix_lookup import first_chunk_start, hash_blocks
+from replica.core.prefix_lookup import first_chunk_start, register_full_blocks
 from replica.core.request import Request, RequestStatus, check_stop
 from replica.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from replica.core.waiting_queue import SCHEDULING_POLICIES, PriorityQueue, priority_victim, seat
@@ -140,9 +140,7 @@ class Scheduler:
         self._finish(request, reason, stop_reason, step)
         return request
 
-    def _finish(
-        self, request: Request, reason: FinishReason, stop_reason: int | str | None, step: int | None = None
-    ) -> None:
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None, step: int | None = None) -> None:
         """``step``: the step whose token ended the request (default: the latest scheduled)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -304,14 +302,8 @@ class Scheduler:
         self._register_full_blocks(request, min(num_tokens, request.num_tokens))
 
     def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register in the prefix cache ``request``'s blocks that ``num_tokens`` tokens fill, past
-        those already registered; they join the current step's ``newly_cached``."""
-        bm = self.block_manager
-        full = num_tokens // bm.block_size
-        if bm.enable_caching and full > request.num_cached_blocks:
-            hash_blocks(request, bm.block_size, full)
-            self._newly_cached += bm.cache_blocks(request.request_id, request.block_hashes[:full], request.num_cached_blocks)
-            request.num_cached_blocks = full
+        """:func:`register_full_blocks`; they join the current step's ``newly_cached``."""
+        self._newly_cached += register_full_blocks(self.block_manager, request, num_tokens)
 
     def _pick_victim(self, requester: Request) -> Request:
         """Hook: the request to preempt so that ``requester`` can grow: the last running request

@@ -28,7 +28,6 @@ from typing import Any
 from replica.config.engine_config import EngineConfig
 from replica.core.request import Request
 from replica.engine.llm_engine import LLMEngine
-from replica.engine.lora_support import check_lora_request
 from replica.engine.metrics import EngineMetrics
 from replica.engine.request_builder import request_from_envelope
 from replica.engine.request_streams import Sink, Stream, put_all
@@ -277,12 +276,10 @@ class AsyncLLMEngine:
 
     # ---- LoRA -------------------------------------------------------------------------------------
     def check_lora(self, lora_request: LoRARequest) -> dict[str, Any]:
-        """Read and check an adapter (it stays in host memory for the requests that follow):
-        ``{"name", "path", "rank", "target_modules"}``. Thread-safe; reads files (call it off the
-        event loop). Raises ``LoRAAdapterError`` naming the reason (or that LoRA is not enabled)."""
-        adapter = check_lora_request(self.engine.lora, lora_request)
-        return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
-                "target_modules": adapter.target_modules}
+        """:meth:`LLMEngine.add_lora <replica.engine.llm_engine.LLMEngine.add_lora>`: read and check an
+        adapter, which stays in host memory for the requests that follow (thread-safe; reads files:
+        call it off the event loop). Raises ``LoRAAdapterError`` naming the reason."""
+        return self.engine.add_lora(lora_request)
 
     def lora_in_memory(self, lora_request: LoRARequest) -> bool:
         """Whether the adapter is in host memory now, so that a request naming it reads no file

@@ -26,7 +26,7 @@ from replica.core.block_manager import BlockManager
 from replica.core.policies import make_scheduler
 from replica.core.request import Request
 from replica.core.scheduler_output import SchedulerOutput
-from replica.engine.lora_support import EngineLoRA, check_lora_request, runner_lora
+from replica.engine.lora_support import EngineLoRA, EngineLoRAMethods, check_lora_request, runner_lora
 from replica.engine.metrics import EngineMetrics
 from replica.engine.output_processor import OutputProcessor
 from replica.engine.request_builder import build_request, eos_token_ids
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "EngineStateError", "MAX_CONSECUTIVE_FAILED_STEPS"]  # the latter two: step_failures'
 
-class LLMEngine(EngineReporting):
+class LLMEngine(EngineReporting, EngineLoRAMethods):
     """Continuous-batching engine over a paged KV cache for one transformers model.
 
     Args:
@@ -391,32 +391,6 @@ class LLMEngine(EngineReporting):
         dropped = self.block_manager.reset_prefix_cache()
         self._refresh_stats()
         return dropped
-
-    # ---- LoRA adapters (what the engine reports: replica.engine.reporting) -------------------
-    def add_lora(self, lora_request: LoRARequest) -> dict:
-        """Read and check an adapter into host memory now (vLLM's ``add_lora``), so that the
-        requests naming it read no file: ``{"name", "path", "rank", "target_modules"}``.
-        Thread-safe; reads files. Raises ``LoRAAdapterError`` naming the reason (or that LoRA is
-        not enabled)."""
-        adapter = check_lora_request(self.lora, lora_request)
-        return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
-                "target_modules": adapter.target_modules}
-
-    def activate_lora(self, lora_request: LoRARequest) -> bool:
-        """Write an adapter into a device slot now rather than in the first step that runs it
-        (read first, as :meth:`add_lora`, unless in host memory); the slot of the least used
-        adapter that no running request holds is taken. Returns whether a slot was written
-        (False: it was in one). On the engine's thread. Raises ``LoRAAdapterError`` as
-        :meth:`add_lora`, ``RuntimeError`` when running requests hold every slot."""
-        adapter = check_lora_request(self.lora, lora_request)  # raises first without LoRA
-        written = self.lora.activate(adapter, self.scheduler.running)
-        self._refresh_stats()  # lora_stats()'s "loaded"
-        return written
-
-    def remove_lora(self, lora_name: str) -> bool:
-        """Forget the adapter(s) named ``lora_name`` from host memory (thread-safe); requests
-        holding one keep it. Returns whether one was known (False without LoRA)."""
-        return self.lora is not None and self.lora.registry.remove(lora_name)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing at TP 1; idempotent)."""

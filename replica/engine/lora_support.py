@@ -1,5 +1,6 @@
-"""The engine's side of LoRA: the adapter registry, a request's adapter, and the LoRA snapshot
-that ``LLMEngine.lora_stats`` hands other threads (the replica's metrics and routing stats)."""
+"""The engine's side of LoRA: the adapter registry, a request's adapter, the LoRA snapshot that
+``LLMEngine.lora_stats`` hands other threads (the replica's metrics and routing stats), and the
+engine's adapter methods (``add_lora``, ``activate_lora``, ``remove_lora``)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,34 @@ def check_lora_request(lora: EngineLoRA | None, lora_request: LoRARequest | None
     if lora is None:
         raise LoRAAdapterError("this engine does not serve LoRA adapters (start it with enable_lora)")
     return lora.adapter_for(lora_request)
+
+
+class EngineLoRAMethods:
+    """``LLMEngine``'s adapter methods (vLLM's names), mixed in; they use the engine's ``lora``
+    (an :class:`EngineLoRA`, None without LoRA), ``scheduler`` and ``_refresh_stats``. What the
+    engine reports about its adapters is ``replica.engine.reporting``'s."""
+
+    def add_lora(self, lora_request: LoRARequest) -> dict:
+        """Read and check an adapter into host memory now (vLLM's ``add_lora``), so that the
+        requests naming it read no file: ``{"name", "path", "rank", "target_modules"}``.
+        Thread-safe; reads files. Raises ``LoRAAdapterError`` naming the reason (or that LoRA is
+        not enabled)."""
+        adapter = check_lora_request(self.lora, lora_request)
+        return {"name": adapter.name, "path": lora_request.lora_path, "rank": adapter.rank,
+                "target_modules": adapter.target_modules}
+
+    def activate_lora(self, lora_request: LoRARequest) -> bool:
+        """Write an adapter into a device slot now rather than in the first step that runs it
+        (read first, as :meth:`add_lora`, unless in host memory); the slot of the least used
+        adapter that no running request holds is taken. Returns whether a slot was written
+        (False: it was in one). On the engine's thread. Raises ``LoRAAdapterError`` as
+        :meth:`add_lora`, ``RuntimeError`` when running requests hold every slot."""
+        adapter = check_lora_request(self.lora, lora_request)  # raises first without LoRA
+        written = self.lora.activate(adapter, self.scheduler.running)
+        self._refresh_stats()  # lora_stats()'s "loaded"
+        return written
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget the adapter(s) named ``lora_name`` from host memory (thread-safe); requests
+        holding one keep it. Returns whether one was known (False without LoRA)."""
+        return self.lora is not None and self.lora.registry.remove(lora_name)

@@ -10,7 +10,7 @@ or an embedding request's last prompt token is pooled (:mod:`replica.worker.pool
 Fast paths (:mod:`replica.worker.compilation`): on CPU, linear layers use prepacked weights (float32 ones
 Carpool's kernel), bfloat16/float16 steps are padded to a few token counts
 (:func:`replica.kernels.shapes.padded_size`), and float32 steps to 4 rows at least where Carpool's
-kernel is not built (``FLOAT32_MIN_ROWS``); ``compile`` (the default) runs the decoder under
+kernel is not built (:data:`replica.kernels.shapes.FLOAT32_MIN_ROWS`); ``compile`` (the default) runs the decoder under
 torch.compile, ``compile=False`` eagerly. Compiled on CPU with Carpool's kernel, every step
 (decodes and prefill chunks) runs its attention as one decode query per token inside the graph
 (:meth:`ModelRunner.decode_arrays`). On CUDA, decode-only steps replay CUDA graphs.
@@ -43,6 +43,7 @@ from replica.attention.op import attach_kv_cache, register_paged_attention, runn
 from replica.attention.selector import make_backend
 from replica.config.engine_config import cache_dir
 from replica.config.model_files import check_tp_size
+from replica.kernels.shapes import FLOAT32_MIN_ROWS
 from replica.core.scheduler_output import SchedulerOutput
 from replica.lora.layers import wrap_forwards
 from replica.lora.slots import make_slots
@@ -61,13 +62,6 @@ from replica.worker.step_sampler import StepSampler
 from replica.worker.tp_launch import start_ranks
 
 __all__ = ["ModelRunner", "PendingTokens", "ModelRunnerOutput"]
-
-
-# On an AVX2 CPU (Zen 3, one thread, measured) torch's float32 linear gives 1 to 3 rows other bits
-# than the same rows among 4 to 300, which agree: where Carpool's float32 kernel (batch-invariant)
-# is not built, CPU float32 steps run 4 tokens and rows at least. (With 2 threads other small
-# counts differ too: a replica runs one thread per core.)
-FLOAT32_MIN_ROWS = 4
 
 
 class ModelRunner:
