@@ -7,6 +7,8 @@ the same de-quantized weights (the kernels themselves are checked type by type i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,12 +19,19 @@ from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 
 @pytest.fixture(scope="module")
-def mix_file(tmp_path_factory):
-    from replica.config.engine_config import DEFAULT_MODEL
+def mix_file():
+    """The mix file, written once into Carpool's cache and kept: the engine converts a ``.gguf``
+    file into a folder named by its path, size and time (about 0.5 GB here), so a file written
+    anew each run would leave a new folder each run."""
+    from replica.config.engine_config import DEFAULT_MODEL, cache_dir
     from replica.config.model_files import packaged_gguf_path
 
-    path = tmp_path_factory.mktemp("k-quants") / "smollm2-k-quant-mix.gguf"
-    requantize_gguf(packaged_gguf_path(DEFAULT_MODEL), path, k_quant_mix)
+    path = cache_dir() / "test-models" / "smollm2-k-quant-mix.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        requantize_gguf(packaged_gguf_path(DEFAULT_MODEL), partial, k_quant_mix)
+        partial.replace(path)  # whole or not at all
     return path
 
 
