@@ -334,9 +334,8 @@ def run(config: ServeConfig) -> str:
         check_draft_model(config.engine.model, spec.model, config.engine.tokenizer)
     from replica.config.model_files import check_gguf_file, check_gguf_model
 
-    if config.engine.quantization == "gguf":  # before Ray: a model that is no GGUF file, named
-        check_gguf_model(config.engine.model)
-    check_gguf_file(config.engine.model)  # a missing or broken .gguf file, named before Ray
+    # Before Ray: a model that is no GGUF file with quantization gguf, or a missing or broken .gguf file, named.
+    (check_gguf_model if config.engine.quantization == "gguf" else check_gguf_file)(config.engine.model)
     from replica.pooling import check_pooling_settings
 
     check_pooling_settings(config.engine)  # an embedding model with generation-only settings: said before Ray

@@ -3,9 +3,10 @@ on first use with torch's C++ extension loader and cached: paged decode attentio
 on prepacked weights (``f32_linear``: Carpool's float32-accumulating kernel on CPUs with AVX2
 and FMA, for float32 weights and for bf16 ones where the CPU has no AVX512-BF16;
 ``packed_linear``: Carpool's bf16 kernel on CPUs with AVX512-BF16, oneDNN otherwise, called
-without Python in between; ``q4_linear`` and ``q8_linear``: weights in GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K and Q8_0/Q6_K blocks, on
-AVX512 or AVX2; Carpool's kernels serve any number of rows and are batch-invariant), and the
-sampler's draws (``argmax_rows`` for greedy rows, ``sample_rows`` for random ones).
+without Python in between; ``q4_linear`` and ``q8_linear``: weights in GGUF's
+Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K and Q8_0/Q6_K blocks, on AVX512 or AVX2; Carpool's kernels serve
+any number of rows and are batch-invariant), and the sampler's draws (``argmax_rows`` for greedy
+rows, ``sample_rows`` for random ones).
 
 Why our own: no well-kept package ships a CPU paged-attention kernel that installs here, and
 torch's own options (SDPA on gathered contexts, flex attention with a paged block mask, an
@@ -102,9 +103,9 @@ def has_f32_gemv() -> bool:
 
 
 def has_block_gemv(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether Carpool's kernels for GGUF's blocks (``q4_linear``: Q4_0, Q4_1, Q4_K and
-    the 5-bit Q5_0, Q5_1, Q5_K; ``q8_linear``: Q8_0 and Q6_K) are built for activations of ``dtype``: bfloat16 and float32 where the CPU has AVX512F,
-    or AVX2 with FMA and F16C (bfloat16 natively with AVX512-BF16 and AVX512BW, elsewhere through
+    """Whether Carpool's kernels for GGUF's blocks (``q4_linear``: Q4_0, Q4_1, Q4_K and the 5-bit
+    Q5_0, Q5_1, Q5_K; ``q8_linear``: Q8_0 and Q6_K) are built for activations of ``dtype``:
+    bfloat16 and float32 where the CPU has AVX512F, or AVX2 with FMA and F16C (bfloat16 natively with AVX512-BF16 and AVX512BW, elsewhere through
     the float32 kernel)."""
     return available() and torch.ops.carpool_cpu.has_q4_gemv(dtype) and torch.ops.carpool_cpu.has_q8_gemv(dtype)
 

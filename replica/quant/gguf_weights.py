@@ -11,10 +11,11 @@ converter permutes them; a row permutation moves whole blocks, so it applies to 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K (4-bit kernel, 5-bit values with a plane of fifth
 bits), Q8_0 and Q6_K (8-bit kernel) go to the kernels (so the common Q4_0, Q4_1, Q5_0, Q8_0,
 Q4_K_S/M, Q5_K_S/M and Q6_K files run whole); F32, F16 and BF16 layers stay as loaded; any other
-type of a linear layer (Q2_K, Q3_K, IQ types, ...) is refused, naming the tensor and its type. A tied output layer (no ``output.weight`` in the file) is computed from the input
-embedding's tensor where its type is one of those (else both stay as loaded); where it is 8-bit
-(Q8_0, or Q6_K as llama.cpp's K-quant mixes store it), the input embedding reads its rows from the same packed blocks (:func:`~replica.quant.blocks.embed_from_blocks`)
-and its dense copy is released. Each packed layer is checked against the weight transformers
+type of a linear layer (Q2_K, Q3_K, IQ types, ...) is refused, naming the tensor and its type.
+A tied output layer (no ``output.weight`` in the file) is computed from the input embedding's
+tensor where its type is one of those (else both stay as loaded); where it is 8-bit (Q8_0, or Q6_K
+as llama.cpp's K-quant mixes store it), the input embedding reads its rows from the same packed
+blocks (:func:`~replica.quant.blocks.embed_from_blocks`) and its dense copy is released. Each packed layer is checked against the weight transformers
 de-quantized from the same tensor (equal after rounding to the model's dtype), so a wrong name map
 or row order fails at start, not in tokens.
 """

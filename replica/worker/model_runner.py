@@ -84,7 +84,7 @@ class ModelRunner:
         lora: ``(max_loras, max_lora_rank, max step tokens)`` to serve LoRA adapters
             (:mod:`replica.lora`): every linear layer of the decoder layers gets slots.
         gguf_file: the GGUF file the model was converted from, to compute its linear layers from
-            the file's blocks (the types of ``replica.quant.gguf_blocks``) (:mod:`replica.quant`; ``quantization: gguf``);
+            the file's blocks (:mod:`replica.quant.gguf_blocks`' types; ``quantization: gguf``);
         quantization: the engine's; ``int8`` or ``int4`` quantizes them at load (:mod:`replica.quant.online`).
     Raises:
         ValueError: an unknown or unavailable attention backend; a ``tensor_parallel_size`` the
