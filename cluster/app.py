@@ -336,6 +336,10 @@ def run(config: ServeConfig) -> str:
 
     # Before Ray: a model that is no GGUF file with quantization gguf, or a missing or broken .gguf file, named.
     (check_gguf_model if config.engine.quantization == "gguf" else check_gguf_file)(config.engine.model)
+    from replica.quant.checkpoint import check_checkpoint
+
+    # Before Ray: a checkpoint quantized by a method or scheme Carpool does not serve, or a setting that does not fit it.
+    check_checkpoint(config.engine.model, config.engine.quantization, config.engine.tensor_parallel_size)
     from replica.pooling import check_pooling_settings
 
     check_pooling_settings(config.engine)  # an embedding model with generation-only settings: said before Ray

@@ -200,6 +200,18 @@ def _convert_gguf(gguf: Path, name: str) -> str:
     return str(target)
 
 
+def checkpoint_quantization(model: str) -> dict | None:
+    """The ``quantization_config`` of ``model``'s config.json where ``model`` is a local folder
+    (None where it has none, or is not a folder: a hub id or a GGUF file is not read here)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    import json
+
+    with open(path) as file:
+        return json.load(file).get("quantization_config")
+
+
 def check_tp_size(model_path: str, tp_size: int) -> None:
     """Refuse a tensor-parallel size the model's heads do not split over (the model's
     ``config.json`` in ``model_path``; nothing is checked at size 1).

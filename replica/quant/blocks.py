@@ -205,7 +205,7 @@ def use_blocks(module: torch.nn.Linear, weight: BlockWeight) -> None:
     module.carpool_q_offset = weight.offset
     module.carpool_out_features, module.carpool_in_features = weight.shape
     module.forward = types.MethodType(_q8_forward if weight.bits == 8 else _q4_forward, module)
-    module.weight = torch.nn.Parameter(module.weight.data.new_empty(0), requires_grad=False)
+    module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 
 
 def embed_from_blocks(embedding: torch.nn.Module, head: torch.nn.Linear, dtype: torch.dtype) -> bool:

@@ -89,24 +89,46 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str | None = None, scheme: str | None = None) -> int:
     """Compute ``model``'s linear layers on Carpool's CPU block kernels; returns how many: from
-    ``gguf_file``'s blocks (:func:`replica.quant.gguf_weights.quantize_from_gguf`),
-    or quantized at load by ``scheme`` (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`);
-    0 where there is neither (another ``scheme``, such as None, quantizes nothing).
+    ``gguf_file``'s blocks (:func:`replica.quant.gguf_weights.quantize_from_gguf`), from a
+    compressed-tensors checkpoint's integers (``scheme`` ``compressed-tensors`` or None:
+    :func:`replica.quant.compressed.quantize_from_compressed`; with None, where the kernels do not
+    run here, the package de-quantizes them at load instead), or quantized at load by ``scheme``
+    (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`); 0 where there is none of these.
 
     Raises:
         ValueError: ``dtype`` is neither bfloat16 nor float32 (the kernel's activations), or the
             kernel is not built for it on this CPU (it needs AVX512F, or AVX2 with FMA and F16C);
-            what ``quantize_from_gguf`` refuses.
+            ``scheme`` is ``compressed-tensors`` and the model is no such checkpoint, or is another
+            scheme and the model is one; what ``quantize_from_gguf`` or ``quantize_from_compressed`` refuses.
     """
     from replica.kernels import cpu_kernels
+    from replica.quant.checkpoint import NAME as COMPRESSED
+    from replica.quant.compressed import compressed_config
     from replica.quant.online import SCHEMES
 
-    if not gguf_file and scheme not in SCHEMES:
+    compressed = compressed_config(model) is not None
+    if compressed and (gguf_file or scheme not in (None, COMPRESSED)):
+        raise ValueError(f"the model is a {COMPRESSED} checkpoint: serve it with quantization {COMPRESSED} (or unset), not {scheme}")
+    if scheme == COMPRESSED and not compressed:
+        raise ValueError(f"quantization {COMPRESSED} needs a checkpoint whose config.json has a {COMPRESSED} quantization_config")
+    if not gguf_file and not compressed and scheme not in SCHEMES:
         return 0
-    name = "gguf" if gguf_file else scheme
+    name = "gguf" if gguf_file else COMPRESSED if compressed else scheme
+    if compressed and next(model.parameters()).device.type == "cuda":
+        from replica.quant.compressed import quantize_from_compressed
+
+        return quantize_from_compressed(model, dtype)  # int4 on tinygemm where it takes it, else de-quantized
+    kernels = dtype in (torch.bfloat16, torch.float32) and next(model.parameters()).device.type == "cpu" and bool(
+        cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype))
+    if compressed and scheme is None and not kernels:
+        from replica.quant.compressed import decompress_all
+
+        logger.info("%s checkpoint: de-quantized to %s at load (the block kernels do not run here)", COMPRESSED, dtype)
+        decompress_all(model)
+        return 0
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"quantization {name} computes with bfloat16 or float32 activations, not {dtype}")
-    if not (cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype)):
+    if not kernels:
         raise ValueError(
             f"quantization {name} needs Carpool's CPU block kernels, which this CPU cannot run for {dtype} "
             "(they need AVX512F, or AVX2 with FMA and F16C): serve without --quantization"
@@ -115,6 +137,10 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str 
         from replica.quant.gguf_weights import quantize_from_gguf
 
         return quantize_from_gguf(model, gguf_file)
+    if compressed:
+        from replica.quant.compressed import quantize_from_compressed
+
+        return quantize_from_compressed(model, dtype)
     from replica.quant.online import quantize_online
 
     return quantize_online(model, scheme)

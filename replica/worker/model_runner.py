@@ -47,6 +47,7 @@ from replica.kernels.shapes import FLOAT32_MIN_ROWS
 from replica.core.scheduler_output import SchedulerOutput
 from replica.lora.layers import wrap_forwards
 from replica.lora.slots import make_slots
+from replica.quant.checkpoint import check_checkpoint
 from replica.sample.sampler import cpu_inversion
 from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
@@ -127,6 +128,7 @@ class ModelRunner:
             self.max_num_seqs = max_num_seqs
             self.dtype = resolve_dtype(dtype, device)
             self.block_size = block_size
+            check_checkpoint(model_path, quantization, tensor_parallel_size)  # a quantized config Carpool refuses, by name
             self.model = load_model(
                 model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
                 tp_size=tensor_parallel_size,
@@ -134,7 +136,8 @@ class ModelRunner:
             check_supported(self.model)
             self.shape = model_shape(self.model.config, tensor_parallel_size)  # this rank's heads
             self.hf_config = self.model.config
-            self.vocab_size = self.model.get_output_embeddings().weight.shape[0]  # before prepacking frees it
+            head = self.model.get_output_embeddings()  # its weight before prepacking frees it (a compressed head has none)
+            self.vocab_size = head.weight.shape[0] if hasattr(head, "weight") else head.out_features
             tp_layers = localize(self.model) if tp is not None else []
             # The base layers on blocks first: LoRA's own A and B layers (make_slots) stay dense.
             self.num_quantized = quantize_linears(self.model, self.dtype, gguf_file, quantization)

@@ -257,7 +257,7 @@ def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):
         EngineConfig(quantization="gguf", device="cuda")
     with pytest.raises(ValueError, match="quantization gguf runs at tensor_parallel_size 1"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4' or 'compressed-tensors'"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="bfloat16 or float32 activations, not float16"):
         EngineConfig(quantization="gguf", dtype="half")

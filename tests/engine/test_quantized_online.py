@@ -103,13 +103,14 @@ def test_float32_greedy_tokens_are_transformers_own_on_the_blocks_weights(tiny_l
     assert got == _greedy(_reference(tiny_llama, scheme), PROMPTS, 24)
 
 
-@needs_bf16
-def test_4_bit_alone_equals_batched_chunked_and_preempted(tiny_llama):
-    """int4, bf16, compiled: each prompt's greedy tokens alone, then all at once in a pool small
-    enough to preempt, then in prefill chunks of 8 tokens."""
+def assert_alone_equals_batched_chunked_and_preempted(quantized: int, **settings) -> None:
+    """On an engine of ``settings`` (bf16, compiled) with ``quantized`` layers on blocks: each
+    prompt's greedy tokens alone, then all at once in a pool small enough to preempt, then in
+    prefill chunks of 8 tokens, are the same."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    pool = dict(model=tiny_llama, quantization="int4", max_num_seqs=4, num_blocks=14, max_model_len=192, **ON_TEST_DEVICE)
+    pool = dict(max_num_seqs=4, num_blocks=14, max_model_len=192, **ON_TEST_DEVICE, **settings)
     with LLM(**pool) as llm:
+        assert llm.engine.runner.num_quantized == quantized
         alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids for p in PROMPTS]
         together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
         assert llm.engine.scheduler.num_preemptions > 0
@@ -118,6 +119,12 @@ def test_4_bit_alone_equals_batched_chunked_and_preempted(tiny_llama):
         chunked = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
         assert_idle(llm.engine)
     assert together == alone and chunked == alone
+
+
+@needs_bf16
+def test_4_bit_alone_equals_batched_chunked_and_preempted(tiny_llama):
+    """int4, bf16, compiled (:func:`assert_alone_equals_batched_chunked_and_preempted`)."""
+    assert_alone_equals_batched_chunked_and_preempted(15, model=tiny_llama, quantization="int4")
 
 
 @needs_f32
@@ -190,7 +197,7 @@ def test_a_layer_of_partial_blocks_stays_as_loaded_and_bad_settings_are_refused(
     huge.a.weight.data[3, 0] = 1e7  # d = 1e7 / 127: past fp16's largest finite value
     with pytest.raises(ValueError, match="layer a has a block whose scale or minimum is not finite"):
         quantize_online(huge, "int8")
-    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8' or 'int4'"):
+    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4' or 'compressed-tensors'"):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="quantization int4 runs on device cpu"):
         EngineConfig(quantization="int4", device="cuda")

@@ -7,14 +7,14 @@
 # shape and in an 8B shape. The machine has torch/CUDA but no network and no model files:
 # .whl carries the Python packages its image lacks or has in other versions, .gpu/smollm2-tokenizer
 # the tokenizer (tests/gpu/fetch_wheels.sh fills both). Results go to $OUT. Stages (default: tests
-# small large; in a 15-minute lease, two calls: "tests small" (about 8 minutes at most), then
-# "large" (about 5)): tests, small (SmolLM2 shape), large (8B), sync (with small: the SmolLM2 shape
+# quant small large; in a 15-minute lease, two calls: "tests quant small" (about 8 minutes at most), then
+# "large" (about 5)): tests, quant (compressed-tensors W4A16 layers on tinygemm), small (SmolLM2 shape), large (8B), sync (with small: the SmolLM2 shape
 # again with --no-async-scheduling), spec (speculative decoding's side-by-side bench; random weights
 # draft little, so it shows the step cost by rows and the planner backing off), lora (4 random rank-16
 # adapters mixed with base requests against the base model alone, 32 and 64 seats). A profile, no-graphs or sync limit of 0 skips that run.
 # On 2026-12-04 the first compile made the SmolLM2-shape bench take 129 s, the 8B one 165 s.
 set -uo pipefail
-STAGES=${1:-"tests small large"}
+STAGES=${1:-"tests quant small large"}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }  # a whole word of STAGES ("async" is not "sync")
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -35,6 +35,12 @@ if stage tests; then
     tests/engine/test_engine_behaviour.py tests/engine/test_sampling_options.py tests/engine/test_async_engine.py \
     tests/engine/test_step_shapes.py tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py \
     tests/engine/test_spec_decode.py tests/engine/test_lora.py -k "not real_model and not smollm2" 2>&1 | tee $OUT/tests.log | tail -30
+fi
+
+if stage quant; then  # compressed-tensors W4A16 on torch's int4 kernel (tinygemm): each layer against the package's weights
+  stamp "W4A16 layers on tinygemm (CUDA)"
+  timeout ${QUANT_TIMEOUT:-120} python3 -m pytest -q -rfE -p no:cacheprovider -o addopts="" \
+    tests/engine/test_quantized_compressed.py -k cuda_int4 2>&1 | tee $OUT/quant.log | tail -8
 fi
 
 bench() {  # shape bench_timeout profile_timeout [no_graphs_timeout] [sync_timeout]

@@ -6,7 +6,7 @@
 set -euo pipefail
 PACKAGES="transformers huggingface_hub tokenizers kernels tomlkit pydantic pydantic_core annotated-types
   typing-inspection typing_extensions httpx2 httpcore2 anyio idna sniffio truststore typer click regex
-  hf-xet llguidance peft accelerate psutil"
+  hf-xet llguidance peft accelerate psutil compressed-tensors loguru"
 pins=$(.venv/bin/python - $PACKAGES <<'PY'
 import sys
 from importlib.metadata import version

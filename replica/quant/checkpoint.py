@@ -1,0 +1,100 @@
+"""What Carpool serves of a quantized checkpoint's config, checked without loading the model (and
+without torch, for ``carpool serve`` before Ray starts; the ``compressed-tensors`` package, which
+imports torch, only where the checkpoint is one): its ``quant_method`` (``compressed-tensors``;
+others, such as AWQ, GPTQ, bitsandbytes and FP8 checkpoints, are refused), the schemes of its
+config groups (:func:`check_scheme`: integer weights of 4 or 8 bits per channel or per group,
+with int8 inputs quantized per token, dynamic and symmetric, or weights alone) and whether the
+``quantization`` setting fits it. :mod:`replica.quant.compressed` computes what passes.
+"""
+
+from __future__ import annotations
+
+NAME = "compressed-tensors"
+FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+
+
+def check_model_config(config) -> None:
+    """Raises ``ValueError`` where ``config`` quantizes the KV cache or transforms weights."""
+    quant = getattr(config, "quantization_config", None) or config
+    for key in ("kv_cache_scheme", "transform_config"):
+        if getattr(quant, key, None):
+            raise ValueError(f"quantization {NAME}: checkpoints with a {key} are not served yet")
+
+
+def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
+    """Before any replica loads ``model`` (a local folder; other models are checked at load): raises
+    ``ValueError`` where its config.json quantizes it by a method Carpool does not serve (AWQ,
+    GPTQ, bitsandbytes, FP8, ...), where ``quantization`` does not fit it (``compressed-tensors``
+    for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), where
+    a compressed-tensors checkpoint would be sharded, or where its schemes are refused
+    (:func:`check_checkpoint_config`)."""
+    from replica.config.model_files import checkpoint_quantization
+
+    config = checkpoint_quantization(model) or {}
+    method = config.get("quant_method")
+    if method is None:
+        if quantization == NAME:
+            raise ValueError(f"quantization {NAME} needs a checkpoint whose config.json has a {NAME} quantization_config; {model} has none")
+        return
+    if method != NAME:
+        raise ValueError(f"{model} is quantized by {method!r}, which Carpool does not serve yet ({NAME} and GGUF checkpoints it does)")
+    if quantization not in (None, NAME):
+        raise ValueError(f"the model is a {NAME} checkpoint: serve it with quantization {NAME} (or unset), not {quantization}")
+    if tensor_parallel_size > 1:
+        raise ValueError(f"a {NAME} checkpoint runs at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
+    check_checkpoint_config(config)
+
+
+def check_checkpoint_config(config: dict) -> None:
+    """Raises ``ValueError`` where a checkpoint's ``quantization_config`` (config.json's, as a dict)
+    quantizes the KV cache, transforms weights, or has a scheme Carpool does not compute (naming
+    the config group and its targets): what :func:`quantize_from_compressed` would refuse, said
+    before any replica loads the model."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    parsed = QuantizationConfig.model_validate({k: v for k, v in config.items() if k in QuantizationConfig.model_fields})
+    check_model_config(parsed)
+    if config.get("transform_config"):
+        raise ValueError(f"quantization {NAME}: checkpoints with a transform_config are not served yet")
+    for group, scheme in parsed.config_groups.items():
+        if scheme.format is None:
+            scheme = scheme.model_copy(update={"format": parsed.format})
+        check_scheme(f"config group {group} (targets {', '.join(scheme.targets)})", scheme)
+
+
+def check_scheme(name: str, scheme) -> None:
+    """Raises ``ValueError``, naming ``name`` (a layer or config group) and its scheme, where
+    Carpool does not compute ``scheme`` (a compressed-tensors ``QuantizationScheme``)."""
+    weights, inputs = scheme.weights, scheme.input_activations
+    said = f"quantization {NAME}: {name}"
+    fmt = getattr(scheme.format, "value", scheme.format)
+    if weights is None or weights.type != "int" or weights.num_bits not in (4, 8) or fmt not in FORMATS:
+        raise ValueError(
+            f"{said} has weights {_describe(weights)} in format {fmt}; Carpool computes integer weights of 4 or 8 bits "
+            f"({', '.join(FORMATS)})"
+        )
+    if fmt == "pack-quantized" and not weights.symmetric:
+        raise ValueError(
+            f"{said} has asymmetric pack-quantized weights, whose packed zero points transformers 5 does not load "
+            "(its compressed-tensors quantizer expects them unpacked); symmetric ones are served"
+        )
+    if weights.strategy not in ("channel", "group"):
+        raise ValueError(f"{said}: weight scales per {weights.strategy} are not served; per channel or per group are")
+    if scheme.output_activations is not None:
+        raise ValueError(f"{said} quantizes its output activations; Carpool does not")
+    if inputs is not None and not (
+        inputs.type == "int" and inputs.num_bits == 8 and inputs.dynamic is True and inputs.symmetric
+        and inputs.strategy == "token"
+        and weights.num_bits == 8 and weights.symmetric
+    ):
+        raise ValueError(
+            f"{said} quantizes its input activations as {_describe(inputs)}; Carpool computes int8 weights with "
+            "int8 activations quantized per token, dynamic and symmetric (W8A8), or weights alone"
+        )
+
+
+def _describe(args) -> str:
+    if args is None:
+        return "none"
+    return (f"{args.type}{args.num_bits} {getattr(args.strategy, 'value', args.strategy)}"
+            f"{' symmetric' if args.symmetric else ' asymmetric'}{' dynamic' if args.dynamic is True else ''}")

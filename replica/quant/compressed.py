@@ -1,0 +1,230 @@
+"""Compute a compressed-tensors checkpoint's linear layers from its integer weights
+(``quantization: compressed-tensors``, vLLM's name; inferred from the checkpoint's
+``quantization_config`` as vLLM infers it).
+
+transformers loads such a checkpoint with the ``compressed-tensors`` package's quantizer: each
+quantized ``nn.Linear`` holds its integers as stored (``weight_packed`` int32 for the
+``pack-quantized`` format, an int8 ``weight`` for ``int-quantized`` and ``naive-quantized``), its
+``weight_scale`` and, where asymmetric, ``weight_zero_point``, and the package would de-quantize
+every layer on the model's first forward. :func:`quantize_from_compressed` reads each layer's
+integers with the package's own unpacking and puts them on Carpool's block kernels
+(:mod:`replica.quant.blocks`) as the weights ``w = s * (q - z)`` the package de-quantizes:
+
+* int4, symmetric (W4A16): the 4-bit kernel, ``q + 8`` as nibbles, offset 8 (GGUF's Q4_0 form),
+  ``s`` per block of 32; asymmetric: the same with a minimum ``-s * z`` per block where that is
+  exact in fp16, else the 8-bit kernel on ``q - z`` (in -15..15; exact either way).
+* int8, symmetric (W8A16; W8A8's weights): the 8-bit kernel (Q8_0's form), ``s`` per block.
+* W8A8 (int8 weights, input activations int8, dynamic, per token, symmetric): each token's
+  input is quantized by the package's own rule (``compute_dynamic_scales_and_zp``, ``quantize``),
+  its integers computed on the 8-bit kernel, the output multiplied by the token's scale.
+
+On CUDA (bfloat16), symmetric int4 layers run on torch's int4 kernel instead (tinygemm:
+:mod:`replica.quant.tinygemm`, scales exact in bfloat16, groups of 32 to 256); every other layer is
+de-quantized there.
+
+Scales are per output channel or per group of ``group_size`` inputs (a multiple of 32). A layer
+the kernels cannot compute exactly (a scale that fp16 does not hold exactly, such as most
+float32 scales; groups of fewer than 32 inputs or in activation order; K not whole blocks; int8
+with zero points) is de-quantized by the package (``decompress_module``) and runs as it would in
+transformers; the log counts those. Schemes that are not integer weights of 4 or 8 bits (FP8,
+NVFP4, MXFP4, ...), static or non-token activation quantization, output activation or KV-cache
+quantization and transforms are refused before the model loads, naming the config group and its
+targets (:mod:`replica.quant.checkpoint`), and again here by layer. Each
+packed layer's weights are checked against the package's own de-quantization (float32, equal),
+so a wrong unpacking fails the start, not the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+
+from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks
+from replica.quant.checkpoint import NAME, check_model_config, check_scheme
+
+logger = logging.getLogger(__name__)
+
+
+
+def compressed_config(model: torch.nn.Module):
+    """``model``'s compressed-tensors quantization config (transformers' ``CompressedTensorsConfig``),
+    or None where it has none."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    return config if str(getattr(method, "value", method)) == NAME else None
+
+
+def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Route each quantized linear layer of ``model`` (loaded by transformers from a compressed-tensors
+    checkpoint, still compressed) through its block kernel, or de-quantize it where the kernels
+    cannot compute it exactly (see the module's docstring); returns how many are on the kernels.
+
+    Raises:
+        ValueError: a layer's scheme is one Carpool does not compute (the message names the
+            layer and the scheme); a packed layer disagrees with the package's de-quantization.
+    """
+    from compressed_tensors.compressors.base import decompress_module
+
+    check_model_config(compressed_config(model))
+    layers = [(name, module) for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None]
+    for name, module in layers:
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"quantization {NAME}: layer {name} is a {type(module).__name__}; only linear layers are served quantized")
+        check_scheme(f"layer {name}", module.quantization_scheme)
+    count = 0
+    cuda = any(module.weight_scale.device.type == "cuda" for _, module in layers)
+    for name, module in layers:
+        if not (_to_tinygemm(module, dtype) if cuda else _to_blocks(name, module, dtype)):
+            decompress_module(module)
+            continue
+        count += 1
+    _remove_decompress_hook(model)
+    logger.info("quantization %s: %d linear layers on %s, %d de-quantized by the package (not exact there)",
+                NAME, count, "tinygemm (CUDA)" if cuda else "block kernels", len(layers) - count)
+    return count
+
+
+def _to_blocks(name: str, module: torch.nn.Linear, dtype: torch.dtype) -> bool:
+    """Route ``module`` through its block kernel where its blocks are exact; False (nothing changed) if not."""
+    blocks = _blocks_of(module)
+    if blocks is None:
+        return False
+    _check_blocks(name, module, blocks)
+    activations = module.quantization_scheme.input_activations
+    _release_compressed(module, dtype)
+    use_blocks(module, blocks)
+    if activations is not None:
+        module.carpool_input_args = activations
+        module.forward = types.MethodType(_w8a8_forward, module)
+    return True
+
+
+def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
+    """Route a symmetric int4 ``module`` (bfloat16 activations, scales exact in bfloat16, a shape
+    tinygemm takes) through tinygemm on its device; False (nothing changed) for any other layer."""
+    from replica.quant.tinygemm import fits, use_tinygemm
+
+    weights = module.quantization_scheme.weights
+    if weights.num_bits != 4 or dtype != torch.bfloat16 or getattr(module, "weight_g_idx", None) is not None:
+        return False
+    q, scale, zero = _integers(module)
+    group = q.shape[1] if scale.shape[-1] == 1 else weights.group_size
+    if zero is not None or not fits(tuple(q.shape), group) or not torch.equal(scale.bfloat16().float(), scale.float()):
+        return False
+    _release_compressed(module, dtype)
+    use_tinygemm(module, q, scale, group, dtype)
+    return True
+
+
+def decompress_all(model: torch.nn.Module) -> None:
+    """De-quantize every compressed layer of ``model`` now (the package's ``decompress_model``),
+    as transformers would on the first forward: for devices or dtypes the kernels do not serve."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    ModelCompressor.from_compression_config(compressed_config(model)).decompress_model(model)
+
+
+def _integers(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(q, s, z)``: the layer's integer weights int16 ``[N, K]``, its scales ``[N, G]`` (G = 1
+    per channel, K / group_size per group) as stored and its zero points int16 ``[N, G]`` (None
+    where symmetric), read with the package's own unpacking."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    weights = module.quantization_scheme.weights
+    scale = module.weight_scale.detach()
+    if hasattr(module, "weight_packed"):
+        shape = torch.Size(module.weight_shape.tolist())
+        q = unpack_from_int32(module.weight_packed.detach(), weights.num_bits, shape)
+        zero = getattr(module, "weight_zero_point", None)
+        if zero is not None and not weights.symmetric:
+            zero = unpack_from_int32(zero.detach(), weights.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
+    else:
+        q = module.weight.detach()
+        zero = getattr(module, "weight_zero_point", None)
+    if weights.symmetric or zero is None:
+        zero = None
+    else:
+        zero = zero.detach().reshape(scale.shape).to(torch.int16)
+    return q.to(torch.int16), scale, zero
+
+
+def _blocks_of(module: torch.nn.Linear) -> BlockWeight | None:
+    """The layer's weights as blocks for the kernels, or None where they would not be exact."""
+    weights = module.quantization_scheme.weights
+    if getattr(module, "weight_g_idx", None) is not None and not _ordered(module.weight_g_idx, weights.group_size):
+        return None
+    q, scale, zero = _integers(module)
+    n, k = q.shape
+    group = k if scale.shape[-1] == 1 else weights.group_size
+    if k % BLOCK or group % BLOCK or scale.shape != (n, k // group):
+        return None
+    half = scale.half()
+    if not (half.isfinite().all() and torch.equal(half.float(), scale.float())):
+        return None
+    per_block = half.repeat_interleave(group // BLOCK, dim=1)  # [N, K / 32]
+    if weights.num_bits == 8:
+        return None if zero is not None else BlockWeight((q + 128).to(torch.uint8), per_block, None, 128, 8)
+    if zero is None:
+        return BlockWeight((q + 8).to(torch.uint8), per_block, None, 8, 4)
+    mins = -(scale.float() * zero.float())
+    if torch.equal(mins.half().float(), mins):  # w = s * (q + 8 - 8) - s * z
+        return BlockWeight((q + 8).to(torch.uint8), per_block, mins.half().repeat_interleave(group // BLOCK, dim=1), 8, 4)
+    zero_per = zero.repeat_interleave(group, dim=1)
+    return BlockWeight((q - zero_per + 128).to(torch.uint8), per_block, None, 128, 8)
+
+
+def _ordered(g_idx: torch.Tensor, group_size: int | None) -> bool:
+    """Whether activation-order group indices are the plain ``k // group_size`` (groups of adjacent inputs)."""
+    return group_size is not None and torch.equal(g_idx.cpu().long(), torch.arange(g_idx.numel()) // group_size)
+
+
+def _check_blocks(name: str, module: torch.nn.Linear, blocks: BlockWeight) -> None:
+    """Raises ``ValueError`` where ``blocks`` do not stand for the weights the package de-quantizes."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+
+    q, scale, zero = _integers(module)
+    expected = ct_dequantize(q.to(torch.int8), scale.float(), None if zero is None else zero.to(torch.int8),
+                             module.quantization_scheme.weights, dtype=torch.float32)
+    if not torch.equal(dequantize(blocks), expected):
+        raise ValueError(f"quantization {NAME}: layer {name}'s blocks do not match the package's de-quantization")
+
+
+def _release_compressed(module: torch.nn.Linear, dtype: torch.dtype) -> None:
+    """Drop the layer's compressed tensors and the package's state; a placeholder ``weight`` of the
+    layer's shape (on ``meta``) and ``dtype`` stays for :func:`use_blocks` to release."""
+    shape = (module.out_features, module.in_features)
+    for key in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+                "input_scale", "input_zero_point"):
+        if key in module._parameters or key in module._buffers:
+            delattr(module, key)
+    for key in ("quantization_scheme", "quantization_status", "quantization_enabled"):
+        module.__dict__.pop(key, None)
+    module.__dict__.pop("forward", None)
+    module.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def _remove_decompress_hook(model: torch.nn.Module) -> None:
+    """Remove the package's first-forward decompression hook (every layer is served already)."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    ModelCompressor.from_compression_config(compressed_config(model)).remove_decompression_hook(model)
+
+
+def _w8a8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """W8A8: each token's input quantized to int8 as the package does it (dynamic, per token,
+    symmetric: ``s = max |x| / 127.5``, ``q = clamp(round(x / s), -128, 127)``), ``q @ W.T`` on the
+    8-bit kernel (exact integers in ``x``'s dtype, summed in float32), times ``s``, plus the bias."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    args = self.carpool_input_args
+    rows = x.reshape(1, -1, x.shape[-1])  # the package's per-token rule reduces the last dim of [1, T, K]
+    scale, zero = compute_dynamic_scales_and_zp(value=rows, args=args, module=self)
+    q = quantize(rows, scale, zero, args).reshape(x.shape)
+    out = torch.ops.carpool_cpu.q8_linear(
+        q, self.carpool_q_weight, self.carpool_q_scales, None, self.carpool_out_features, self.carpool_q_super_scales,
+    )
+    out = (out.float() * scale.reshape(*x.shape[:-1], 1).float()).to(x.dtype)
+    return out if self.bias is None else out + self.bias
