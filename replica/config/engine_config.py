@@ -269,8 +269,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"quantization {self.quantization} runs on device cpu for now (got device {self.device!r})")
         if self.quantization in ("gguf", "compressed-tensors") and self.tensor_parallel_size > 1:
             raise ValueError(
-                f"quantization {self.quantization} runs at tensor_parallel_size 1 for now (got {self.tensor_parallel_size}); "
-                "int8 and int4 shard"
+                f"quantization {self.quantization} runs at tensor_parallel_size 1 for now (got {self.tensor_parallel_size})"
+                + ("; int8 and int4 shard" if self.quantization == "gguf" else "")
             )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: serve adapters at tensor_parallel_size 1")

@@ -201,15 +201,26 @@ def _convert_gguf(gguf: Path, name: str) -> str:
 
 
 def checkpoint_quantization(model: str) -> dict | None:
-    """The ``quantization_config`` of ``model``'s config.json where ``model`` is a local folder
-    (None where it has none, or is not a folder: a hub id or a GGUF file is not read here)."""
+    """The ``quantization_config`` of ``model``'s config.json (``{}`` where it has none), read from
+    a local folder or from the hub's local cache for a hub id (no network; a packaged id not in
+    it: ``{}``); None where neither has it (a GGUF file, an id not cached yet: the replica checks
+    it where it loads)."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
-        return None
+        if model.endswith(".gguf") or os.path.isdir(model):
+            return None
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model, "config.json")
+        except Exception:  # noqa: BLE001 — not a valid repo id: the replica says so where it loads
+            return None
+        if not isinstance(path, str):  # a packaged model's files carry no quantization method
+            return {} if model in _PACKAGED_MODELS or model in _PACKAGED_FOLDERS else None
     import json
 
     with open(path) as file:
-        return json.load(file).get("quantization_config")
+        return json.load(file).get("quantization_config") or {}
 
 
 def check_tp_size(model_path: str, tp_size: int) -> None:

@@ -22,7 +22,8 @@ def check_model_config(config) -> None:
 
 
 def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
-    """Before any replica loads ``model`` (a local folder; other models are checked at load): raises
+    """Before any replica loads ``model`` (a local folder, or a hub id in the hub's local cache;
+    others are checked where they load): raises
     ``ValueError`` where its config.json quantizes it by a method Carpool does not serve (AWQ,
     GPTQ, bitsandbytes, FP8, ...), where ``quantization`` does not fit it (``compressed-tensors``
     for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), where
@@ -30,7 +31,9 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     (:func:`check_checkpoint_config`)."""
     from replica.config.model_files import checkpoint_quantization
 
-    config = checkpoint_quantization(model) or {}
+    config = checkpoint_quantization(model)
+    if config is None:
+        return  # not readable here: the replica checks it before it loads the model
     method = config.get("quant_method")
     if method is None:
         if quantization == NAME:

@@ -15,8 +15,8 @@ integers with the package's own unpacking and puts them on Carpool's block kerne
   exact in fp16, else the 8-bit kernel on ``q - z`` (in -15..15; exact either way).
 * int8, symmetric (W8A16; W8A8's weights): the 8-bit kernel (Q8_0's form), ``s`` per block.
 * W8A8 (int8 weights, input activations int8, dynamic, per token, symmetric): each token's
-  input is quantized by the package's own rule (``compute_dynamic_scales_and_zp``, ``quantize``),
-  its integers computed on the 8-bit kernel, the output multiplied by the token's scale.
+  input is quantized by the package's rule (:func:`quantize_tokens`), its integers computed on
+  the 8-bit kernel, the output multiplied by the token's scale.
 
 On CUDA (bfloat16), symmetric int4 layers run on torch's int4 kernel instead (tinygemm:
 :mod:`replica.quant.tinygemm`, scales exact in bfloat16, groups of 32 to 256); every other layer is
@@ -212,19 +212,26 @@ def _remove_decompress_hook(model: torch.nn.Module) -> None:
     ModelCompressor.from_compression_config(compressed_config(model)).remove_decompression_hook(model)
 
 
-def _w8a8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """W8A8: each token's input quantized to int8 as the package does it (dynamic, per token,
-    symmetric: ``s = max |x| / 127.5``, ``q = clamp(round(x / s), -128, 127)``), ``q @ W.T`` on the
-    8-bit kernel (exact integers in ``x``'s dtype, summed in float32), times ``s``, plus the bias."""
-    from compressed_tensors.quantization.lifecycle.forward import quantize
-    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ``[..., K]`` quantized to int8 as compressed-tensors quantizes dynamic,
+    per-token, symmetric int8 activations (``calculate_qparams`` and ``_quantize``, computed in
+    ``x``'s dtype): ``s = max |x| / 127.5`` (0 becomes the dtype's epsilon), ``q = round(clamp(x /
+    s, -128, 127))``. Returns ``(q, s)``: ``q`` ``[..., K]`` integer-valued in ``x``'s dtype, ``s``
+    ``[..., 1]``. Written out rather than called from the package, whose helpers (a cached range
+    per device, strategy dispatch) compile three times slower and warn under torch.compile; the
+    tests hold it to the package's output bit for bit."""
+    scale = x.abs().amax(-1, keepdim=True) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    return torch.round(torch.clamp(x / scale, -128, 127)), scale
 
-    args = self.carpool_input_args
-    rows = x.reshape(1, -1, x.shape[-1])  # the package's per-token rule reduces the last dim of [1, T, K]
-    scale, zero = compute_dynamic_scales_and_zp(value=rows, args=args, module=self)
-    q = quantize(rows, scale, zero, args).reshape(x.shape)
+
+def _w8a8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """W8A8: each token's input quantized to int8 (:func:`quantize_tokens`), ``q @ W.T`` on the
+    8-bit kernel (exact integers in ``x``'s dtype, summed in float32), times the token's scale,
+    plus the bias."""
+    q, scale = quantize_tokens(x)
     out = torch.ops.carpool_cpu.q8_linear(
         q, self.carpool_q_weight, self.carpool_q_scales, None, self.carpool_out_features, self.carpool_q_super_scales,
     )
-    out = (out.float() * scale.reshape(*x.shape[:-1], 1).float()).to(x.dtype)
+    out = (out.float() * scale.float()).to(x.dtype)
     return out if self.bias is None else out + self.bias

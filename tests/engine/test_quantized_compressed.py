@@ -80,6 +80,28 @@ def test_float32_greedy_tokens_are_transformers_own_on_the_checkpoint(checkpoint
     assert got == _greedy(_transformers(path), PROMPTS, 24)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_are_quantized_as_the_package_quantizes_them(dtype):
+    """``quantize_tokens`` against the package's own dynamic per-token int8 rule, bit for bit:
+    ordinary rows, an outlier row, an all-zero row, halves that round to even."""
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from replica.quant.compressed import quantize_tokens
+    from tests.engine.compressed_files import scheme_args
+
+    args = scheme_args("w8a8")[1]
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 96, dtype=dtype)
+    x[0, 2] *= 300
+    x[0, 3] = 0
+    x[0, 4, :4] = torch.tensor([127.5, -127.5, 0.5, 1.5])  # s = 1: halves
+    q, scale = quantize_tokens(x)
+    want_scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Linear(96, 8))
+    assert torch.equal(scale, want_scale) and torch.equal(q, quantize(x, want_scale, zero, args))
+    assert q.dtype == dtype and q.abs().max() <= 128
+
+
 @needs_f32
 def test_w8a8_layers_quantize_each_token_s_input_as_the_package_does(checkpoints):
     """Every W8A8 layer (int8 weights, int8 inputs per token, dynamic), on inputs with an outlier
@@ -213,7 +235,30 @@ def test_settings_and_checkpoints_that_do_not_fit_are_refused_before_loading(che
         check_checkpoint(str(awq), None, 1)
     check_checkpoint(checkpoints("w8a8"), "compressed-tensors", 1)
     check_checkpoint(tiny_llama, "int4", 2)
-    check_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct", None, 1)  # not a folder: checked where it loads
+    with pytest.raises(ValueError, match="SmolLM2-135M-Instruct has none"):  # the packaged default model
+        check_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct", "compressed-tensors", 1)
+
+
+@needs_f32
+def test_a_hub_id_is_checked_from_the_hub_cache_or_where_it_loads(checkpoints, tmp_path, monkeypatch):
+    """A hub id whose config.json is in the hub's local cache is checked before loading as a
+    folder is; one not cached is left to the replica (no network here)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from replica.quant.checkpoint import check_checkpoint
+
+    snapshot = tmp_path / "models--acme--smol-w4a16" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    shutil.copy(f"{checkpoints('w4a16')}/config.json", snapshot)
+    (tmp_path / "models--acme--smol-w4a16" / "refs").mkdir()
+    (tmp_path / "models--acme--smol-w4a16" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    check_checkpoint("acme/smol-w4a16", "compressed-tensors", 1)
+    with pytest.raises(ValueError, match="compressed-tensors checkpoint: serve it with quantization compressed-tensors"):
+        check_checkpoint("acme/smol-w4a16", "int4", 1)
+    check_checkpoint("acme/not-cached", "compressed-tensors", 1)  # the replica checks it where it loads
 
 
 @needs_bf16
