@@ -34,6 +34,8 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     config = checkpoint_quantization(model)
     if config is None:
         return  # not readable here: the replica checks it before it loads the model
+    if not isinstance(config, dict):
+        raise ValueError(f"{model}: config.json's quantization_config is {config!r}, not an object with a quant_method")
     method = config.get("quant_method")
     if method is None:
         if quantization == NAME:
@@ -55,14 +57,22 @@ def check_checkpoint_config(config: dict) -> None:
     before any replica loads the model."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    parsed = QuantizationConfig.model_validate({k: v for k, v in config.items() if k in QuantizationConfig.model_fields})
+    try:
+        parsed = QuantizationConfig.model_validate({k: v for k, v in config.items() if k in QuantizationConfig.model_fields})
+    except ValueError as exc:  # pydantic's ValidationError
+        first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"quantization {NAME}: the checkpoint's quantization_config does not read as one ({where}: {first['msg']})") from None
     check_model_config(parsed)
     if config.get("transform_config"):
         raise ValueError(f"quantization {NAME}: checkpoints with a transform_config are not served yet")
     for group, scheme in parsed.config_groups.items():
         if scheme.format is None:
             scheme = scheme.model_copy(update={"format": parsed.format})
-        check_scheme(f"config group {group} (targets {', '.join(scheme.targets)})", scheme)
+        said = f"config group {group} (targets {', '.join(scheme.targets)})"
+        if any("Embedding" in target for target in scheme.targets):
+            raise ValueError(f"quantization {NAME}: {said} quantizes embeddings; only linear layers are served quantized")
+        check_scheme(said, scheme)
 
 
 def check_scheme(name: str, scheme) -> None:

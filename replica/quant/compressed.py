@@ -25,8 +25,9 @@ de-quantized there.
 Scales are per output channel or per group of ``group_size`` inputs (a multiple of 32). A layer
 the kernels cannot compute exactly (a scale that fp16 does not hold exactly, such as most
 float32 scales; groups of fewer than 32 inputs or in activation order; K not whole blocks; int8
-with zero points) is de-quantized by the package (``decompress_module``) and runs as it would in
-transformers; the log counts those. Schemes that are not integer weights of 4 or 8 bits (FP8,
+with zero points) is de-quantized by the package (``decompress_module``) into a plain dense layer
+(W8A8's inputs still quantized per token) and computes what it would in transformers; the log
+counts those. A non-finite weight scale refuses the start, naming the layer. Schemes that are not integer weights of 4 or 8 bits (FP8,
 NVFP4, MXFP4, ...), static or non-token activation quantization, output activation or KV-cache
 quantization and transforms are refused before the model loads, naming the config group and its
 targets (:mod:`replica.quant.checkpoint`), and again here by layer. Each
@@ -65,19 +66,18 @@ def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
         ValueError: a layer's scheme is one Carpool does not compute (the message names the
             layer and the scheme); a packed layer disagrees with the package's de-quantization.
     """
-    from compressed_tensors.compressors.base import decompress_module
-
     check_model_config(compressed_config(model))
     layers = [(name, module) for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None]
     for name, module in layers:
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"quantization {NAME}: layer {name} is a {type(module).__name__}; only linear layers are served quantized")
         check_scheme(f"layer {name}", module.quantization_scheme)
+        _check_finite(name, module)
     count = 0
     cuda = any(module.weight_scale.device.type == "cuda" for _, module in layers)
     for name, module in layers:
         if not (_to_tinygemm(module, dtype) if cuda else _to_blocks(name, module, dtype)):
-            decompress_module(module)
+            _to_dense(module)
             continue
         count += 1
     _remove_decompress_hook(model)
@@ -119,11 +119,36 @@ def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
 
 
 def decompress_all(model: torch.nn.Module) -> None:
-    """De-quantize every compressed layer of ``model`` now (the package's ``decompress_model``),
-    as transformers would on the first forward: for devices or dtypes the kernels do not serve."""
-    from compressed_tensors.compressors import ModelCompressor
+    """De-quantize every compressed layer of ``model`` now (:func:`_to_dense`), where no kernel
+    serves it (another dtype, a CPU without the kernels), and remove the package's first-forward
+    hook."""
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _check_finite(name, module)
+            _to_dense(module)
+    _remove_decompress_hook(model)
 
-    ModelCompressor.from_compression_config(compressed_config(model)).decompress_model(model)
+
+def _check_finite(name: str, module: torch.nn.Module) -> None:
+    """Raises ``ValueError`` where a layer's weight scales hold a NaN or an infinity (its weights
+    would be NaN: served, every token would be)."""
+    if not bool(module.weight_scale.isfinite().all()):
+        raise ValueError(f"quantization {NAME}: layer {name} has a weight scale that is not finite (NaN or infinite)")
+
+
+def _to_dense(module: torch.nn.Module) -> None:
+    """De-quantize ``module`` with the package (``decompress_module``, its weights in the scales'
+    dtype) into a plain layer, the package's own state and forward removed (they do not compile:
+    its forward patches attributes); a layer with int8 inputs (W8A8) keeps them
+    (:func:`_w8a8_dense_forward`), and the prepacking leaves its forward alone."""
+    from compressed_tensors.compressors.base import decompress_module
+
+    inputs = module.quantization_scheme.input_activations
+    decompress_module(module, leave_decompressed=False)
+    module.__dict__.pop("forward", None)
+    if inputs is not None:
+        module.carpool_own_forward = True
+        module.forward = types.MethodType(_w8a8_dense_forward, module)
 
 
 def _integers(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -223,6 +248,13 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(-1, keepdim=True) / 127.5
     scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
     return torch.round(torch.clamp(x / scale, -128, 127)), scale
+
+
+def _w8a8_dense_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A de-quantized W8A8 layer, as the package computes it: each token's input quantized
+    (:func:`quantize_tokens`) and de-quantized in ``x``'s dtype, times the dense weight."""
+    q, scale = quantize_tokens(x)
+    return torch.nn.functional.linear(q * scale, self.weight, self.bias)
 
 
 def _w8a8_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

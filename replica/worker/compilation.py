@@ -151,8 +151,8 @@ def _pack_each(model: torch.nn.Module, pack) -> int:
         dtype = next(model.parameters()).dtype
     packed: list[tuple[torch.nn.Linear, torch.Tensor]] = []
     for module in model.modules():
-        if hasattr(module, "carpool_q_weight"):  # computed from GGUF's blocks (replica.quant)
-            continue
+        if hasattr(module, "carpool_q_weight") or getattr(module, "carpool_own_forward", False):
+            continue  # computed from blocks, or a forward of replica.quant's that is not a plain linear
         if isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu" and _plain_linear(module, dtype):
             weight = module.weight.detach()
             # The packed forwards compute the weight's rows: under tensor parallelism, this rank's

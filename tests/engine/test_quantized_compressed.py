@@ -327,3 +327,80 @@ def test_where_no_kernel_runs_the_checkpoint_is_de_quantized_at_load(checkpoints
         assert torch.equal(model(ids).logits, reference(ids).logits)
     with pytest.raises(ValueError, match="computes with bfloat16 or float32 activations, not torch.float16"):
         quantize_linears(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16), torch.float16, scheme="compressed-tensors")
+
+
+@needs_f32
+def test_layers_no_kernel_takes_compile_and_keep_their_int8_inputs(checkpoints):
+    """Float32 scales (fp16 does not hold them): every layer de-quantized into a plain layer, W8A8's
+    still quantizing its inputs per token; compiled, the engine starts (W8A16: with the eager
+    engine's tokens; W8A8's per-token rounding turns compiled float32's last bits into other
+    tokens, so only its start and its blocks are checked). In bf16 the prepacking leaves W8A8's
+    forward alone, and each such layer gives the package's own output."""
+    from transformers import AutoModelForCausalLM
+
+    from replica.quant.compressed import _w8a8_dense_forward, decompress_all
+    from replica.worker.compilation import prepack_linears
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for scheme, compiled in (("w8a16", False), ("w8a16", True), ("w8a8", True)):
+        with LLM(model=checkpoints(scheme, scale_dtype=torch.float32), dtype="float32", compile=compiled, max_num_seqs=4,
+                 **ON_TEST_DEVICE) as llm:
+            assert llm.engine.runner.num_quantized == 0
+            forward = llm.engine.runner.model.model.layers[0].mlp.down_proj.forward
+            assert (getattr(forward, "__func__", None) is _w8a8_dense_forward) == (scheme == "w8a8")
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)])
+            assert_idle(llm.engine)
+    assert runs[0] == runs[1] and all(len(tokens) == 12 for tokens in runs[2])
+    path = checkpoints("w8a8", scale_dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference(torch.tensor([[1, 2, 3]]))  # the package de-quantizes on the first forward
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    decompress_all(model)
+    prepack_linears(model)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.forward.__func__ is _w8a8_dense_forward
+    x = torch.randn(1, 5, layer.in_features).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), reference.model.layers[0].mlp.down_proj(x))
+
+
+@needs_f32
+def test_float16_serves_the_de_quantized_checkpoint_compiled(checkpoints):
+    """``dtype: float16`` (no block kernel takes it), ``quantization`` unset, compiled: the engine
+    starts on the layers the package de-quantized and gives the eager engine's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for compiled in (False, True):
+        with LLM(model=checkpoints("w4a16"), dtype="float16", compile=compiled, max_num_seqs=4, **ON_TEST_DEVICE) as llm:
+            assert llm.engine.runner.num_quantized == 0
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)])
+            assert_idle(llm.engine)
+    assert runs[0] == runs[1]
+
+
+@needs_f32
+def test_a_non_finite_scale_and_a_malformed_config_are_refused(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from replica.quant.checkpoint import check_checkpoint
+
+    broken = shutil.copytree(checkpoints("w8a16"), tmp_path / "nan")
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.weight_scale"][3, 0] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    for dtype in ("float32", "float16"):  # on the kernels; de-quantized
+        with pytest.raises(ValueError, match="layer model.layers.1.self_attn.o_proj has a weight scale that is not finite"):
+            LLM(model=str(broken), dtype=dtype, compile=False, max_num_seqs=1, **ON_TEST_DEVICE)
+    config = json.loads((broken / "config.json").read_text())
+    for bad, said in [("compressed-tensors", "quantization_config is 'compressed-tensors', not an object"),
+                      ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "does not read as one \\(config_groups: Field required"),
+                      ({**config["quantization_config"], "config_groups": {"g": {"targets": ["Embedding"], "weights": {"num_bits": 4}}}},
+                       "config group g \\(targets Embedding\\) quantizes embeddings")]:
+        (broken / "config.json").write_text(json.dumps({**config, "quantization_config": bad}))
+        with pytest.raises(ValueError, match=said):
+            check_checkpoint(str(broken), None, 1)
