@@ -149,3 +149,21 @@ def base(llm):
     assert 2 not in c.token_ids
     assert c.text == llm.tokenizer.decode(c.token_ids)  # byte-level BPE: the plain decode
     return c.token_ids, c.text
+
+
+@pytest.fixture(scope="session")
+def ct_checkpoints(tiny_llama, tmp_path_factory):
+    """``get(scheme, **kwargs) -> folder``: the tiny Llama written as a compressed-tensors
+    checkpoint of that scheme (``tests/engine/compressed_files.py``), once per session."""
+    from tests.engine.compressed_files import write_compressed
+
+    made: dict[tuple, str] = {}
+
+    def get(scheme: str, **kwargs) -> str:
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        key = (scheme, *sorted(kwargs.items(), key=str))
+        if key not in made:
+            made[key] = str(write_compressed(tiny_llama, tmp_path_factory.mktemp(scheme), scheme, **kwargs))
+        return made[key]
+
+    return get
