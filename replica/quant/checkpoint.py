@@ -23,8 +23,8 @@ def check_model_config(config) -> None:
 
 def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
     """Before any replica loads ``model`` (a local folder, or a hub id in the hub's local cache;
-    others are checked where they load): raises
-    ``ValueError`` where its config.json quantizes it by a method Carpool does not serve (AWQ,
+    others are checked where they load): raises ``ValueError`` where its config.json quantizes
+    it by a method Carpool does not serve (AWQ,
     GPTQ, bitsandbytes, FP8, ...), where ``quantization`` does not fit it (``compressed-tensors``
     for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), where
     a compressed-tensors checkpoint would be sharded, or where its schemes are refused

@@ -27,12 +27,12 @@ the kernels cannot compute exactly (a scale that fp16 does not hold exactly, suc
 float32 scales; groups of fewer than 32 inputs or in activation order; K not whole blocks; int8
 with zero points) is de-quantized by the package (``decompress_module``) into a plain dense layer
 (W8A8's inputs still quantized per token) and computes what it would in transformers; the log
-counts those. A non-finite weight scale refuses the start, naming the layer. Schemes that are not integer weights of 4 or 8 bits (FP8,
-NVFP4, MXFP4, ...), static or non-token activation quantization, output activation or KV-cache
-quantization and transforms are refused before the model loads, naming the config group and its
-targets (:mod:`replica.quant.checkpoint`), and again here by layer. Each
-packed layer's weights are checked against the package's own de-quantization (float32, equal),
-so a wrong unpacking fails the start, not the tokens.
+counts those. A non-finite weight scale refuses the start, naming the layer. Schemes that are
+not integer weights of 4 or 8 bits (FP8, NVFP4, MXFP4, ...), static or non-token activation
+quantization, output activation or KV-cache quantization and transforms are refused before the
+model loads, naming the config group and its targets (:mod:`replica.quant.checkpoint`), and again
+here by layer. Each packed layer's weights are checked against the package's own
+de-quantization (float32, equal), so a wrong unpacking fails the start, not the tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks
 from replica.quant.checkpoint import NAME, check_model_config, check_scheme
 
 logger = logging.getLogger(__name__)
-
 
 
 def compressed_config(model: torch.nn.Module):
