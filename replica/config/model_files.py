@@ -200,11 +200,11 @@ def _convert_gguf(gguf: Path, name: str) -> str:
     return str(target)
 
 
-def checkpoint_quantization(model: str) -> dict | None:
-    """The ``quantization_config`` of ``model``'s config.json (``{}`` where it has none), read from
-    a local folder or from the hub's local cache for a hub id (no network; a packaged id not in
-    it: ``{}``); None where neither has it (a GGUF file, an id not cached yet: the replica checks
-    it where it loads)."""
+def checkpoint_config(model: str) -> dict | None:
+    """``model``'s config.json as a dict, read from a local folder or from the hub's local cache
+    for a hub id (no network; a packaged id not in it: ``{}``, its files carry no quantization
+    method); None where neither has it (a GGUF file, an id not cached yet: the replica checks it
+    where it loads)."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         if model.endswith(".gguf") or os.path.isdir(model):
@@ -220,7 +220,7 @@ def checkpoint_quantization(model: str) -> dict | None:
     import json
 
     with open(path) as file:
-        return json.load(file).get("quantization_config") or {}
+        return json.load(file)
 
 
 def check_tp_size(model_path: str, tp_size: int) -> None:

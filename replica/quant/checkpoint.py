@@ -29,11 +29,12 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), where
     a compressed-tensors checkpoint would be sharded, or where its schemes are refused
     (:func:`check_checkpoint_config`)."""
-    from replica.config.model_files import checkpoint_quantization
+    from replica.config.model_files import checkpoint_config
 
-    config = checkpoint_quantization(model)
-    if config is None:
+    full = checkpoint_config(model)
+    if full is None:
         return  # not readable here: the replica checks it before it loads the model
+    config = full.get("quantization_config") or {}
     if not isinstance(config, dict):
         raise ValueError(f"{model}: config.json's quantization_config is {config!r}, not an object with a quant_method")
     method = config.get("quant_method")
@@ -47,15 +48,21 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
         raise ValueError(f"the model is a {NAME} checkpoint: serve it with quantization {NAME} (or unset), not {quantization}")
     if tensor_parallel_size > 1:
         raise ValueError(f"a {NAME} checkpoint runs at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
-    check_checkpoint_config(config)
+    text = full.get("text_config") or {}
+    check_checkpoint_config(config, tied=full.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True)
 
 
-def check_checkpoint_config(config: dict) -> None:
+def check_checkpoint_config(config: dict, tied: bool = False) -> None:
     """Raises ``ValueError`` where a checkpoint's ``quantization_config`` (config.json's, as a dict)
-    quantizes the KV cache, transforms weights, or has a scheme Carpool does not compute (naming
-    the config group and its targets): what :func:`quantize_from_compressed` would refuse, said
-    before any replica loads the model."""
+    quantizes the KV cache, transforms weights, embeddings (``model.embed_tokens``, by class or
+    name), the output layer of a model whose ``tied`` embeddings share it (transformers cannot
+    load that: its tied weight is the packed ``lm_head.weight``), or has a scheme Carpool does not
+    compute (naming the config group and its targets): what :func:`quantize_from_compressed`
+    would refuse, said before any replica loads the model. Targets are matched as the package
+    matches them (``is_match``)."""
+    import torch
     from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import is_match
 
     try:
         parsed = QuantizationConfig.model_validate({k: v for k, v in config.items() if k in QuantizationConfig.model_fields})
@@ -70,8 +77,13 @@ def check_checkpoint_config(config: dict) -> None:
         if scheme.format is None:
             scheme = scheme.model_copy(update={"format": parsed.format})
         said = f"config group {group} (targets {', '.join(scheme.targets)})"
-        if any("Embedding" in target for target in scheme.targets):
+        if is_match("model.embed_tokens", torch.nn.Embedding(1, 1), scheme.targets, parsed.ignore or ()):
             raise ValueError(f"quantization {NAME}: {said} quantizes embeddings; only linear layers are served quantized")
+        if tied and is_match("lm_head", torch.nn.Linear(1, 1), scheme.targets, parsed.ignore or ()):
+            raise ValueError(
+                f"quantization {NAME}: {said} quantizes lm_head, which this model ties to its input embeddings; "
+                "transformers cannot load a tied output layer packed (leave lm_head out: ignore it)"
+            )
         check_scheme(said, scheme)
 
 

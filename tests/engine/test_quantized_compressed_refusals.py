@@ -171,7 +171,25 @@ def test_a_non_finite_scale_and_a_malformed_config_are_refused(ct_checkpoints, t
     for bad, said in [("compressed-tensors", "quantization_config is 'compressed-tensors', not an object"),
                       ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "does not read as one \\(config_groups: Field required"),
                       ({**config["quantization_config"], "config_groups": {"g": {"targets": ["Embedding"], "weights": {"num_bits": 4}}}},
-                       "config group g \\(targets Embedding\\) quantizes embeddings")]:
+                       "config group g \\(targets Embedding\\) quantizes embeddings"),
+                      ({**config["quantization_config"], "config_groups": {"g": {"targets": ["re:.*embed_tokens$"], "weights": {"num_bits": 4}}}},
+                       "quantizes embeddings")]:
         (broken / "config.json").write_text(json.dumps({**config, "quantization_config": bad}))
         with pytest.raises(ValueError, match=said):
             check_checkpoint(str(broken), None, 1)
+
+
+@needs_f32
+def test_a_quantized_tied_output_layer_is_refused_before_loading(ct_checkpoints, tiny_llama, tmp_path):
+    """The tiny Llama ties its output layer to its input embeddings; a recipe that does not ignore
+    ``lm_head`` packs it, which transformers cannot load (its tied weight is ``lm_head.weight``):
+    refused by config group, before loading, and served once ``lm_head`` is ignored."""
+    from replica.quant.checkpoint import check_checkpoint
+    from tests.engine.compressed_files import write_compressed
+
+    tied = write_compressed(tiny_llama, tmp_path / "tied", "w8a16", ignore=())
+    with pytest.raises(ValueError, match="quantizes lm_head, which this model ties to its input embeddings"):
+        check_checkpoint(str(tied), None, 1)
+    with pytest.raises(ValueError, match="quantizes lm_head"):
+        LLM(model=str(tied), dtype="float32", compile=False, max_num_seqs=1, **ON_TEST_DEVICE)
+    check_checkpoint(ct_checkpoints("w8a16"), None, 1)  # lm_head ignored
