@@ -13,14 +13,6 @@ NAME = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
 
-def check_model_config(config) -> None:
-    """Raises ``ValueError`` where ``config`` quantizes the KV cache or transforms weights."""
-    quant = getattr(config, "quantization_config", None) or config
-    for key in ("kv_cache_scheme", "transform_config"):
-        if getattr(quant, key, None):
-            raise ValueError(f"quantization {NAME}: checkpoints with a {key} are not served yet")
-
-
 def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
     """Before any replica loads ``model`` (a local folder, or a hub id in the hub's local cache;
     others are checked where they load): raises ``ValueError`` where its config.json quantizes
@@ -70,9 +62,9 @@ def check_checkpoint_config(config: dict, tied: bool = False) -> None:
         first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
         where = ".".join(str(part) for part in first["loc"])
         raise ValueError(f"quantization {NAME}: the checkpoint's quantization_config does not read as one ({where}: {first['msg']})") from None
-    check_model_config(parsed)
-    if config.get("transform_config"):
-        raise ValueError(f"quantization {NAME}: checkpoints with a transform_config are not served yet")
+    for key in ("kv_cache_scheme", "transform_config"):
+        if config.get(key):
+            raise ValueError(f"quantization {NAME}: checkpoints with a {key} are not served yet")
     for group, scheme in parsed.config_groups.items():
         if scheme.format is None:
             scheme = scheme.model_copy(update={"format": parsed.format})

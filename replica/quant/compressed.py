@@ -30,9 +30,9 @@ with zero points) is de-quantized by the package (``decompress_module``) into a 
 counts those. A non-finite weight scale refuses the start, naming the layer. Schemes that are
 not integer weights of 4 or 8 bits (FP8, NVFP4, MXFP4, ...), static or non-token activation
 quantization, output activation or KV-cache quantization and transforms are refused before the
-model loads, naming the config group and its targets (:mod:`replica.quant.checkpoint`), and again
-here by layer. Each packed layer's weights are checked against the package's own
-de-quantization (float32, equal), so a wrong unpacking fails the start, not the tokens.
+model loads, naming the config group and its targets (:mod:`replica.quant.checkpoint`). Each
+packed layer's weights are checked against the package's own de-quantization (float32, equal),
+so a wrong unpacking fails the start, not the tokens.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import types
 import torch
 
 from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks
-from replica.quant.checkpoint import NAME, check_model_config, check_scheme
+from replica.quant.checkpoint import NAME
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +61,18 @@ def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
     checkpoint, still compressed) through its block kernel, or de-quantize it where the kernels
     cannot compute it exactly (see the module's docstring); returns how many are on the kernels.
 
+    The checkpoint's config passed :func:`replica.quant.checkpoint.check_checkpoint` (the model
+    runner checks it before loading): its schemes are ones Carpool computes.
+
     Raises:
-        ValueError: a layer's scheme is one Carpool does not compute (the message names the
-            layer and the scheme); a packed layer disagrees with the package's de-quantization.
+        ValueError: a quantized layer is not linear (an embedding its config group names in a way
+            the check before loading does not match) or has a non-finite weight scale (each
+            message names the layer); a packed layer disagrees with the package's de-quantization.
     """
-    check_model_config(compressed_config(model))
     layers = [(name, module) for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None]
     for name, module in layers:
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"quantization {NAME}: layer {name} is a {type(module).__name__}; only linear layers are served quantized")
-        check_scheme(f"layer {name}", module.quantization_scheme)
         _check_finite(name, module)
     count = 0
     cuda = any(module.weight_scale.device.type == "cuda" for _, module in layers)
@@ -87,10 +89,11 @@ def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 def _to_blocks(name: str, module: torch.nn.Linear, dtype: torch.dtype) -> bool:
     """Route ``module`` through its block kernel where its blocks are exact; False (nothing changed) if not."""
-    blocks = _blocks_of(module)
+    integers = _integers(module)
+    blocks = _blocks_of(module, *integers)
     if blocks is None:
         return False
-    _check_blocks(name, module, blocks)
+    _check_blocks(name, module, blocks, *integers)
     activations = module.quantization_scheme.input_activations
     _release_compressed(module, dtype)
     use_blocks(module, blocks)
@@ -174,12 +177,12 @@ def _integers(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torc
     return q.to(torch.int16), scale, zero
 
 
-def _blocks_of(module: torch.nn.Linear) -> BlockWeight | None:
-    """The layer's weights as blocks for the kernels, or None where they would not be exact."""
+def _blocks_of(module: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> BlockWeight | None:
+    """The layer's weights (its :func:`_integers` ``q``, ``scale``, ``zero``) as blocks for the
+    kernels, or None where they would not be exact."""
     weights = module.quantization_scheme.weights
     if getattr(module, "weight_g_idx", None) is not None and not _ordered(module.weight_g_idx, weights.group_size):
         return None
-    q, scale, zero = _integers(module)
     n, k = q.shape
     group = k if scale.shape[-1] == 1 else weights.group_size
     if k % BLOCK or group % BLOCK or scale.shape != (n, k // group):
@@ -204,11 +207,12 @@ def _ordered(g_idx: torch.Tensor, group_size: int | None) -> bool:
     return group_size is not None and torch.equal(g_idx.cpu().long(), torch.arange(g_idx.numel()) // group_size)
 
 
-def _check_blocks(name: str, module: torch.nn.Linear, blocks: BlockWeight) -> None:
-    """Raises ``ValueError`` where ``blocks`` do not stand for the weights the package de-quantizes."""
+def _check_blocks(name: str, module: torch.nn.Linear, blocks: BlockWeight, q: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor | None) -> None:
+    """Raises ``ValueError`` where ``blocks`` do not stand for the weights the package de-quantizes
+    from the layer's integers (:func:`_integers`)."""
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
-    q, scale, zero = _integers(module)
     expected = ct_dequantize(q.to(torch.int8), scale.float(), None if zero is None else zero.to(torch.int8),
                              module.quantization_scheme.weights, dtype=torch.float32)
     if not torch.equal(dequantize(blocks), expected):

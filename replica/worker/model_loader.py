@@ -95,11 +95,13 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str 
     run here, the package de-quantizes them at load instead), or quantized at load by ``scheme``
     (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`); 0 where there is none of these.
 
+    ``scheme`` fits the model: :func:`replica.quant.checkpoint.check_checkpoint` said so before
+    it loaded (the model runner checks it).
+
     Raises:
         ValueError: ``dtype`` is neither bfloat16 nor float32 (the kernel's activations), or the
             kernel is not built for it on this CPU (it needs AVX512F, or AVX2 with FMA and F16C);
-            ``scheme`` is ``compressed-tensors`` and the model is no such checkpoint, or is another
-            scheme and the model is one; what ``quantize_from_gguf`` or ``quantize_from_compressed`` refuses.
+            what ``quantize_from_gguf`` or ``quantize_from_compressed`` refuses.
     """
     from replica.kernels import cpu_kernels
     from replica.quant.checkpoint import NAME as COMPRESSED
@@ -107,18 +109,15 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str 
     from replica.quant.online import SCHEMES
 
     compressed = compressed_config(model) is not None
-    if compressed and (gguf_file or scheme not in (None, COMPRESSED)):
-        raise ValueError(f"the model is a {COMPRESSED} checkpoint: serve it with quantization {COMPRESSED} (or unset), not {scheme}")
-    if scheme == COMPRESSED and not compressed:
-        raise ValueError(f"quantization {COMPRESSED} needs a checkpoint whose config.json has a {COMPRESSED} quantization_config")
     if not gguf_file and not compressed and scheme not in SCHEMES:
         return 0
     name = "gguf" if gguf_file else COMPRESSED if compressed else scheme
-    if compressed and next(model.parameters()).device.type == "cuda":
+    device = next(model.parameters()).device.type
+    if compressed and device == "cuda":
         from replica.quant.compressed import quantize_from_compressed
 
         return quantize_from_compressed(model, dtype)  # int4 on tinygemm where it takes it, else de-quantized
-    kernels = dtype in (torch.bfloat16, torch.float32) and next(model.parameters()).device.type == "cpu" and bool(
+    kernels = dtype in (torch.bfloat16, torch.float32) and device == "cpu" and bool(
         cpu_kernels.load() and cpu_kernels.has_block_gemv(dtype))
     if compressed and scheme is None and not kernels:
         from replica.quant.compressed import decompress_all
