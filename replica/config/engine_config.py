@@ -105,7 +105,7 @@ class EngineConfig(BaseModel):
         ),
     )
     device: str = Field("cpu", description="torch device: cpu, cuda or cuda:N.")
-    quantization: Literal["gguf", "int8", "int4", "compressed-tensors"] | None = Field(
+    quantization: Literal["gguf", "int8", "int4", "compressed-tensors", "awq", "gptq"] | None = Field(
         None,
         description=(
             "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
@@ -115,7 +115,9 @@ class EngineConfig(BaseModel):
             "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels, each rank "
             "its own shard under tensor parallelism. compressed-tensors: a checkpoint of that format (W4A16, "
             "W8A16, W8A8 int8) computed from its integer weights on the same kernels (CPU, tensor_parallel_size 1). "
-            "Unset: a compressed-tensors checkpoint is served as with compressed-tensors where the kernels run "
+            "awq, gptq: an AutoAWQ (4-bit GEMM) or GPTQ (4 or 8 bits) checkpoint, converted once into "
+            "compressed-tensors and served as one. "
+            "Unset: a compressed-tensors, AWQ or GPTQ checkpoint is served as with its method where the kernels run "
             "(else de-quantized at load); GGUF weights are de-quantized to dtype at load."
         ),
     )
@@ -265,9 +267,9 @@ class EngineConfig(BaseModel):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.quantization and DTYPE_NAMES[self.dtype] == "float16":
             raise ValueError(f"quantization {self.quantization} computes with bfloat16 or float32 activations, not float16")
-        if self.quantization and self.quantization != "compressed-tensors" and self.device != "cpu":
+        if self.quantization and self.quantization not in ("compressed-tensors", "awq", "gptq") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs on device cpu for now (got device {self.device!r})")
-        if self.quantization in ("gguf", "compressed-tensors") and self.tensor_parallel_size > 1:
+        if self.quantization in ("gguf", "compressed-tensors", "awq", "gptq") and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"quantization {self.quantization} runs at tensor_parallel_size 1 for now (got {self.tensor_parallel_size})"
                 + ("; int8 and int4 shard" if self.quantization == "gguf" else "")

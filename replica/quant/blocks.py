@@ -36,10 +36,11 @@ class BlockWeight:
     of 32 ``scales`` and ``mins`` fp16 ``[N, K / 32]`` (``mins`` None but for Q4_1 and Q5_1): ``w[n, k] =
     scales[n, k // 32] * (q[n, k] - offset) + mins[n, k // 32]``.
 
-    K-quants (``super_scales`` given, K a multiple of 256): ``scales`` are integers per sub-block of
-    ``K / scales.shape[1]`` values (uint8 for Q4_K and Q5_K, int8 for Q6_K), multiplied by
-    ``super_scales`` fp16 ``[N, K / 256]``; their ``mins`` are uint8 per sub-block of 32 times ``super_mins`` fp16,
-    subtracted: ``w = S * sc * (q - offset) - M * m``."""
+    K-quants (``super_scales`` given): ``scales`` are integers per sub-block of ``K /
+    scales.shape[1]`` values (uint8 for Q4_K and Q5_K, int8 for Q6_K), multiplied by
+    ``super_scales`` fp16 ``[N, S]`` (super-blocks of ``K / S`` values, 32 times a power of two:
+    GGUF's 256, a checkpoint's group of 32 to 1024); their ``mins`` are uint8 per sub-block of 32
+    times ``super_mins`` fp16, subtracted: ``w = S * sc * (q - offset) - M * m``."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -86,6 +87,27 @@ def quantize_q4_1(weight: torch.Tensor) -> BlockWeight:
     q = ((blocks - low) * inverse + 0.5).floor().clamp(max=15).to(torch.uint8)  # the values are >= 0: trunc = floor
     n = weight.shape[0]
     return BlockWeight(q.reshape(n, -1), d.squeeze(-1).half(), low.squeeze(-1).half(), 0, 4)
+
+
+def with_zero_points(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> BlockWeight:
+    """4-bit weights ``w = s * (q - z)`` with an fp16 scale ``s`` and an integer zero point ``z`` per
+    group of ``group`` inputs (as GPTQ, AWQ and compressed-tensors' asymmetric int4 store them) as
+    K-quant blocks, exact in float32: under the group's ``s`` as super-block scale and minimum,
+    each block of 32 has the integer scale 1 and the minimum ``z``, so ``w = s * 1 * q - s * z``.
+    ``q`` uint8 ``[N, K]`` (0..15), ``scales`` fp16 ``[N, K / group]``, ``zeros`` uint8 ``[N, K /
+    group]`` (0..15); super-blocks are the group's largest power-of-two run of blocks.
+
+    Raises:
+        ValueError: ``group`` is not a multiple of 32 dividing K.
+    """
+    n, k = q.shape
+    if group % BLOCK or k % group or scales.shape != (n, k // group) or zeros.shape != scales.shape:
+        raise ValueError(f"groups of {group} do not fit a weight of {(n, k)} with {tuple(scales.shape)} scales")
+    blocks = group // BLOCK
+    per_super = blocks & -blocks  # the largest power of two dividing the group's blocks
+    supers = scales.half().repeat_interleave(blocks // per_super, dim=1)
+    return BlockWeight(q.to(torch.uint8), torch.ones(n, k // BLOCK, dtype=torch.uint8),
+                       zeros.to(torch.uint8).repeat_interleave(blocks, dim=1), 0, 4, super_scales=supers, super_mins=supers)
 
 
 def _blocks_of(weight: torch.Tensor) -> torch.Tensor:

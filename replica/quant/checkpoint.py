@@ -1,16 +1,21 @@
 """What Carpool serves of a quantized checkpoint's config, checked without loading the model (and
 without torch, for ``carpool serve`` before Ray starts; the ``compressed-tensors`` package, which
 imports torch, only where the checkpoint is one): its ``quant_method`` (``compressed-tensors``;
-others, such as AWQ, GPTQ, bitsandbytes and FP8 checkpoints, are refused), the schemes of its
-config groups (:func:`check_scheme`: integer weights of 4 or 8 bits per channel or per group,
-with int8 inputs quantized per token, dynamic and symmetric, or weights alone) and whether the
-``quantization`` setting fits it. :mod:`replica.quant.compressed` computes what passes.
+``awq`` and ``gptq``, which :mod:`replica.quant.convert` rewrites as compressed-tensors; others,
+such as bitsandbytes and FP8 checkpoints, are refused), the schemes of its config groups
+(:func:`check_scheme`: integer weights of 4 or 8 bits per channel or per group, with int8 inputs
+quantized per token, dynamic and symmetric, or weights alone), an AWQ or GPTQ config's bits and
+format (:func:`check_awq_gptq`) and whether the ``quantization`` setting fits it.
+:mod:`replica.quant.compressed` computes what passes.
 """
 
 from __future__ import annotations
 
 NAME = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+CONVERTED = ("awq", "gptq")  # served through a compressed-tensors copy (replica.quant.convert)
+GPTQ_BITS = (4, 8)
+GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
 def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size: int) -> None:
@@ -34,14 +39,41 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
         if quantization == NAME:
             raise ValueError(f"quantization {NAME} needs a checkpoint whose config.json has a {NAME} quantization_config; {model} has none")
         return
+    if method in CONVERTED:
+        if quantization not in (None, method):
+            raise ValueError(f"the model is a {method} checkpoint: serve it with quantization {method} (or unset), not {quantization}")
+        if tensor_parallel_size > 1:
+            raise ValueError(f"{method} checkpoints run at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
+        check_awq_gptq(method, config)
+        return
     if method != NAME:
-        raise ValueError(f"{model} is quantized by {method!r}, which Carpool does not serve yet ({NAME} and GGUF checkpoints it does)")
+        raise ValueError(
+            f"{model} is quantized by {method!r}, which Carpool does not serve yet ({NAME}, AWQ, GPTQ and GGUF checkpoints it does)"
+        )
     if quantization not in (None, NAME):
         raise ValueError(f"the model is a {NAME} checkpoint: serve it with quantization {NAME} (or unset), not {quantization}")
     if tensor_parallel_size > 1:
         raise ValueError(f"a {NAME} checkpoint runs at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
     text = full.get("text_config") or {}
     check_checkpoint_config(config, tied=full.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True)
+
+
+def check_awq_gptq(method: str, config: dict) -> None:
+    """Raises ``ValueError`` where an AWQ or GPTQ ``quantization_config`` (a dict) is not one
+    :mod:`replica.quant.convert` converts: AWQ other than 4 bits in AutoAWQ's GEMM format (GEMV,
+    ExLlama, IPEX and Marlin layouts are other packings); GPTQ other than 4 or 8 bits in the
+    ``gptq``/``gptq_v2`` format, or with per-module overrides (GPTQModel's ``dynamic``)."""
+    bits = config.get("bits", 4)
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm":
+            raise ValueError(f"quantization awq: {bits}-bit {version} checkpoints are not served; 4-bit GEMM ones (AutoAWQ's default) are")
+        return
+    fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+    if bits not in GPTQ_BITS or fmt not in GPTQ_FORMATS:
+        raise ValueError(f"quantization gptq: {bits}-bit checkpoints in format {fmt} are not served; {GPTQ_BITS} bits in {GPTQ_FORMATS} are")
+    if config.get("dynamic"):
+        raise ValueError("quantization gptq: checkpoints with per-module overrides (dynamic) are not served yet")
 
 
 def check_checkpoint_config(config: dict, tied: bool = False) -> None:
@@ -90,11 +122,6 @@ def check_scheme(name: str, scheme) -> None:
             f"{said} has weights {_describe(weights)} in format {fmt}; Carpool computes integer weights of 4 or 8 bits "
             f"({', '.join(FORMATS)})"
         )
-    if fmt == "pack-quantized" and not weights.symmetric:
-        raise ValueError(
-            f"{said} has asymmetric pack-quantized weights, whose packed zero points transformers 5 does not load "
-            "(its compressed-tensors quantizer expects them unpacked); symmetric ones are served"
-        )
     if weights.strategy not in ("channel", "group"):
         raise ValueError(f"{said}: weight scales per {weights.strategy} are not served; per channel or per group are")
     if scheme.output_activations is not None:
@@ -108,6 +135,19 @@ def check_scheme(name: str, scheme) -> None:
             f"{said} quantizes its input activations as {_describe(inputs)}; Carpool computes int8 weights with "
             "int8 activations quantized per token, dynamic and symmetric (W8A8), or weights alone"
         )
+
+
+def packs_zero_points(config: dict) -> bool:
+    """Whether a compressed-tensors ``quantization_config`` (a dict) has asymmetric
+    ``pack-quantized`` weights, whose packed zero points transformers does not load by itself
+    (:func:`replica.quant.compressed.load_packed_zero_points`)."""
+    if config.get("quant_method") != NAME:
+        return False
+    for scheme in (config.get("config_groups") or {}).values():
+        weights = scheme.get("weights") or {}
+        if (scheme.get("format") or config.get("format")) == "pack-quantized" and weights.get("symmetric") is False:
+            return True
+    return False
 
 
 def _describe(args) -> str:

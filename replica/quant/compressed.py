@@ -11,8 +11,9 @@ integers with the package's own unpacking and puts them on Carpool's block kerne
 (:mod:`replica.quant.blocks`) as the weights ``w = s * (q - z)`` the package de-quantizes:
 
 * int4, symmetric (W4A16): the 4-bit kernel, ``q + 8`` as nibbles, offset 8 (GGUF's Q4_0 form),
-  ``s`` per block of 32; asymmetric: the same with a minimum ``-s * z`` per block where that is
-  exact in fp16, else the 8-bit kernel on ``q - z`` (in -15..15; exact either way).
+  ``s`` per block of 32; asymmetric: ``q + 8`` and ``z + 8`` in the K-quant form of
+  :func:`replica.quant.blocks.with_zero_points` (``s`` per group as super-block scale and
+  minimum; exact).
 * int8, symmetric (W8A16; W8A8's weights): the 8-bit kernel (Q8_0's form), ``s`` per block.
 * W8A8 (int8 weights, input activations int8, dynamic, per token, symmetric): each token's
   input is quantized by the package's rule (:func:`quantize_tokens`), its integers computed on
@@ -42,7 +43,7 @@ import types
 
 import torch
 
-from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks
+from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks, with_zero_points
 from replica.quant.checkpoint import NAME
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,36 @@ def compressed_config(model: torch.nn.Module):
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
     return config if str(getattr(method, "value", method)) == NAME else None
+
+
+def load_packed_zero_points(model: torch.nn.Module, path: str, mismatched) -> None:
+    """Set the packed zero points of an asymmetric ``pack-quantized`` checkpoint (at ``path``, a
+    folder) from its files: transformers 5.25 with compressed-tensors 0.20.1 builds those layers
+    with zero points of the unpacked shape ``[N, G]`` (the package's compression of a model on
+    ``meta`` leaves them unpacked), so the checkpoint's ``[N / 8, G]`` int32 ones mismatch; the model
+    is loaded with ``ignore_mismatched_sizes`` and ``mismatched`` (its loading info's
+    ``mismatched_keys``: ``(name, checkpoint shape, model shape)``) are read here, read as stored,
+    as the package's own decompression reads them.
+
+    Raises:
+        ValueError: a tensor other than a zero point mismatched (the checkpoint does not fit the
+            model), naming it and both shapes.
+    """
+    from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
+    from safetensors import safe_open
+
+    names = []
+    for name, stored, built in mismatched:
+        if not name.endswith(".weight_zero_point"):
+            raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
+        names.append(name)
+    files = get_checkpoint_files(path) if names else {}
+    where = get_weight_map(files)
+    for shard in sorted({where[name] for name in names}):
+        with safe_open(files[shard], framework="pt") as file:
+            for name in (name for name in names if where[name] == shard):
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                module.weight_zero_point = torch.nn.Parameter(file.get_tensor(name), requires_grad=False)
 
 
 def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -195,11 +226,7 @@ def _blocks_of(module: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, ze
         return None if zero is not None else BlockWeight((q + 128).to(torch.uint8), per_block, None, 128, 8)
     if zero is None:
         return BlockWeight((q + 8).to(torch.uint8), per_block, None, 8, 4)
-    mins = -(scale.float() * zero.float())
-    if torch.equal(mins.half().float(), mins):  # w = s * (q + 8 - 8) - s * z
-        return BlockWeight((q + 8).to(torch.uint8), per_block, mins.half().repeat_interleave(group // BLOCK, dim=1), 8, 4)
-    zero_per = zero.repeat_interleave(group, dim=1)
-    return BlockWeight((q - zero_per + 128).to(torch.uint8), per_block, None, 128, 8)
+    return with_zero_points((q + 8).to(torch.uint8), half, (zero + 8).to(torch.uint8), group)  # s * ((q + 8) - (z + 8))
 
 
 def _ordered(g_idx: torch.Tensor, group_size: int | None) -> bool:

@@ -70,7 +70,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
             model = load_sharded(path, dtype=dtype, attn_implementation=attn_implementation, tp_size=tp_size)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+            model = _from_pretrained(path, dtype, attn_implementation)
     except KeyError as exc:
         if exc.args != (attn_implementation,):
             raise
@@ -85,6 +85,43 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
     return model
 
 
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
+    """transformers' ``from_pretrained``. A compressed-tensors checkpoint missing a tensor the
+    model needs is refused (transformers would initialize it at random, with a warning); an
+    asymmetric ``pack-quantized`` one's zero points, which transformers does not load, are read
+    from its files after it (:func:`replica.quant.compressed.load_packed_zero_points`).
+
+    Raises:
+        ValueError: a compressed-tensors checkpoint lacks tensors (the first five named).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from replica.config.model_files import checkpoint_config
+    from replica.quant.checkpoint import NAME, packs_zero_points
+
+    config = (checkpoint_config(path) or {}).get("quantization_config")
+    if not (isinstance(config, dict) and config.get("quant_method") == NAME):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    packed = packs_zero_points(config)
+    report = logging.getLogger("transformers.modeling_utils")  # its load report would list every zero point
+    level = report.level
+    if packed:
+        report.setLevel(logging.ERROR)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, ignore_mismatched_sizes=packed, output_loading_info=True,
+        )
+    finally:
+        report.setLevel(level)
+    if info["missing_keys"]:
+        raise ValueError(f"{path}: the checkpoint lacks {', '.join(sorted(info['missing_keys'])[:5])}")
+    if packed:
+        from replica.quant.compressed import load_packed_zero_points
+
+        load_packed_zero_points(model, path, info["mismatched_keys"])
+    return model
 
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str | None = None, scheme: str | None = None) -> int:

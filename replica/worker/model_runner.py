@@ -48,6 +48,7 @@ from replica.core.scheduler_output import SchedulerOutput
 from replica.lora.layers import wrap_forwards
 from replica.lora.slots import make_slots
 from replica.quant.checkpoint import check_checkpoint
+from replica.quant.convert import as_compressed
 from replica.sample.sampler import cpu_inversion
 from replica.worker.compilation import compile_decoder, mark_step_dynamic, prepack_linears, use_compile_cache
 from replica.worker.cuda_graphs import MAX_GRAPH_CONTEXT, DecodeGraphs, graph_memory_reserve
@@ -129,6 +130,7 @@ class ModelRunner:
             self.dtype = resolve_dtype(dtype, device)
             self.block_size = block_size
             check_checkpoint(model_path, quantization, tensor_parallel_size)  # a quantized config Carpool refuses, by name
+            model_path = as_compressed(model_path)  # AWQ and GPTQ: their compressed-tensors copy
             self.model = load_model(
                 model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
                 tp_size=tensor_parallel_size,

@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from replica.quant.blocks import as_eight_bit, block_linear, dequantize, pack_weight
+from replica.quant.blocks import as_eight_bit, block_linear, dequantize, pack_weight, with_zero_points
 from replica.quant.gguf_blocks import split_gguf_blocks
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+# The kernels' forms beyond GGUF's types: 4-bit values with a scale and zero point per group of 96
+# or 128 inputs (GPTQ, AWQ; :func:`replica.quant.blocks.with_zero_points`).
+FORMS = TYPES + ["ZP_G96", "ZP_G128"]
 
 
 def ggml_blocks(weight: torch.Tensor, type_name: str) -> np.ndarray:
@@ -69,8 +72,8 @@ def check_block_kernel(type_name: str, dtype: torch.dtype) -> None:
     sums; every row alone is bit-equal to the same row in batches of 2 to 37 rows (row blocks of 8
     on AVX512 and 4 on AVX2, full and partial)."""
     torch.manual_seed(1)
-    k = 512 if type_name.endswith("_K") else 96
-    weight = split_gguf_blocks(torch.from_numpy(ggml_blocks(torch.randn(40, k), type_name)), type_name)
+    k = 512 if type_name.endswith("_K") else 384 if type_name.startswith("ZP_") else 96
+    weight = _weight(type_name, k)
     packed = pack_weight(weight)
     bias = torch.randn(40).to(dtype)
     x = torch.randn(37, k).to(dtype)
@@ -102,6 +105,16 @@ def check_block_kernel(type_name: str, dtype: torch.dtype) -> None:
         run(x.half())
 
 
+def _weight(form: str, k: int):
+    """40 rows of ``k`` random weights in ``form`` (:data:`FORMS`)."""
+    if form.startswith("ZP_G"):
+        group = int(form[4:])
+        q = torch.randint(0, 16, (40, k), dtype=torch.uint8)
+        scales = (torch.rand(40, k // group) * 0.05 + 1e-3).half()
+        return with_zero_points(q, scales, torch.randint(0, 16, scales.shape, dtype=torch.uint8), group)
+    return split_gguf_blocks(torch.from_numpy(ggml_blocks(torch.randn(40, k), form)), form)
+
+
 def forced_arch_checks(arch: str) -> None:
     """Build the block kernels alone for ``arch`` (cached beside the native build) and run
     :func:`check_block_kernel` on every type and both dtypes."""
@@ -122,7 +135,7 @@ def forced_arch_checks(arch: str) -> None:
     checked = 0
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.ops.carpool_cpu.has_q4_gemv(dtype) and torch.ops.carpool_cpu.has_q8_gemv(dtype)
-        for type_name in TYPES:
+        for type_name in FORMS:
             check_block_kernel(type_name, dtype)
             checked += 1
     print(f"checked {checked}")

@@ -35,9 +35,11 @@ from tests.helpers import ON_TEST_DEVICE, assert_idle
 
 
 def _transformers(path: str):
-    from transformers import AutoModelForCausalLM
+    """transformers on the checkpoint (the package de-quantizes it on the first forward); packed
+    zero points, which transformers does not load, read from the files by Carpool's loader."""
+    from replica.worker.model_loader import _from_pretrained
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return _from_pretrained(path, torch.float32, "sdpa")
 
 
 def _engine_tokens(path: str, tokens: int, **kwargs) -> tuple[list[list[int]], int]:
@@ -54,14 +56,14 @@ def _engine_tokens(path: str, tokens: int, **kwargs) -> tuple[list[list[int]], i
 @needs_f32
 @pytest.mark.parametrize(("scheme", "scale_dtype"), [
     ("w4a16", None), ("w4a16-channel", None), ("w8a16", None), ("w4a16-asym-naive", None),
-    ("w4a16-asym-naive", torch.float16),
+    ("w4a16-asym-naive", torch.float16), ("w4a16-asym", torch.float16),
 ])
 def test_float32_greedy_tokens_are_transformers_own_on_the_checkpoint(ct_checkpoints, scheme, scale_dtype):
     """Weights alone: 7 linear layers per layer on the kernels (the head is left dense, as
     llm-compressor's recipes leave it); greedy tokens equal transformers' on the same checkpoint
-    (``quantization`` unset: inferred from its config, as vLLM does). Zero points: nibbles with a
-    minimum per block (bf16 scales), or bytes of ``q - z`` (fp16 scales, whose ``-s * z`` fp16
-    does not hold)."""
+    (``quantization`` unset: inferred from its config, as vLLM does). Zero points, stored a byte a
+    value or packed (whose zero points transformers does not load: Carpool reads them), with bf16
+    or fp16 scales: nibbles under the group's scale and minimum."""
     path = ct_checkpoints(scheme, scale_dtype=scale_dtype)
     got, quantized = _engine_tokens(path, 24)
     assert quantized == 7 * 2
@@ -158,8 +160,8 @@ def test_4_bit_alone_equals_batched_chunked_and_preempted(ct_checkpoints):
 
 @needs_f32
 def test_each_scheme_takes_its_kernel_path(ct_checkpoints):
-    """int4 symmetric: nibbles (offset 8); int4 with zero points: nibbles with a minimum per block
-    where ``-s * z`` is exact in fp16 (bf16 scales), else bytes (fp16 scales); int8: bytes; float32 scales that fp16 does not
+    """int4 symmetric: nibbles (offset 8); int4 with zero points: nibbles with an integer minimum
+    per block under the group's scale (K-quant form); int8: bytes; float32 scales that fp16 does not
     hold: de-quantized by the package, served as transformers serves them."""
     from transformers import AutoModelForCausalLM
 
@@ -172,10 +174,10 @@ def test_each_scheme_takes_its_kernel_path(ct_checkpoints):
 
     count, layer = layer_after(ct_checkpoints("w4a16"))
     assert count == 14 and layer.carpool_q_offset == 8 and layer.carpool_q_weight.shape[-1] == 2 and layer.carpool_q_mins is None
-    count, layer = layer_after(ct_checkpoints("w4a16-asym-naive"))
-    assert count == 14 and layer.carpool_q_offset == 8 and layer.carpool_q_mins is not None
-    count, layer = layer_after(ct_checkpoints("w4a16-asym-naive", scale_dtype=torch.float16))
-    assert count == 14 and layer.carpool_q_offset == 128 and layer.carpool_q_weight.shape[-2:] == (16, 2)
+    for scale_dtype in (None, torch.float16):
+        count, layer = layer_after(ct_checkpoints("w4a16-asym-naive", scale_dtype=scale_dtype))
+        assert count == 14 and layer.carpool_q_offset == 0 and layer.carpool_q_weight.shape[-1] == 2
+        assert layer.carpool_q_super_mins is not None and layer.carpool_q_super_scales.shape == (4, 4, 16)  # [G, K / 32, 16]
     count, layer = layer_after(ct_checkpoints("w8a16"))
     assert count == 14 and layer.carpool_q_offset == 128 and layer.carpool_q_weight.shape[-2:] == (16, 2)
     count, layer = layer_after(ct_checkpoints("w8a16", scale_dtype=torch.float32))

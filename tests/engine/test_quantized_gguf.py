@@ -15,7 +15,7 @@ from replica import LLM, SamplingParams
 from replica.kernels import cpu_kernels
 from replica.quant.blocks import BlockWeight, dequantize, pack_weight
 from replica.quant.gguf_blocks import split_gguf_blocks
-from tests.engine.block_kernel_checks import TYPES, check_block_kernel, ggml_blocks
+from tests.engine.block_kernel_checks import FORMS, TYPES, check_block_kernel, ggml_blocks
 from tests.engine.test_real_model import CHATS as REAL_MODEL_CHATS
 from tests.helpers import ON_TEST_DEVICE, assert_idle
 
@@ -54,7 +54,7 @@ def test_other_block_types_and_shapes_are_refused():
 @pytest.mark.parametrize("dtype", [
     pytest.param(torch.bfloat16, marks=needs_bf16), pytest.param(torch.float32, marks=needs_f32),
 ], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", FORMS)
 def test_kernel_computes_the_blocks_weights_and_a_row_never_depends_on_its_batch(type_name, dtype):
     check_block_kernel(type_name, dtype)
 
@@ -75,7 +75,7 @@ def test_avx2_kernels_forced_on_an_avx512_cpu(tmp_path):
     code = f"from tests.engine.block_kernel_checks import forced_arch_checks; forced_arch_checks({FORCED_ARCH!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert f"checked {2 * len(TYPES)}" in out.stdout
+    assert f"checked {2 * len(FORMS)}" in out.stdout
 
 
 def _llama_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -257,8 +257,8 @@ def test_quantization_needs_a_gguf_model_on_cpu(tiny_llama):
         EngineConfig(quantization="gguf", device="cuda")
     with pytest.raises(ValueError, match="quantization gguf runs at tensor_parallel_size 1"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4' or 'compressed-tensors'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4', 'compressed-tensors', 'awq' or 'gptq'"):
+        EngineConfig(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="bfloat16 or float32 activations, not float16"):
         EngineConfig(quantization="gguf", dtype="half")
     with pytest.raises(ValueError, match="needs a GGUF model"):

@@ -197,8 +197,8 @@ def test_a_layer_of_partial_blocks_stays_as_loaded_and_bad_settings_are_refused(
     huge.a.weight.data[3, 0] = 1e7  # d = 1e7 / 127: past fp16's largest finite value
     with pytest.raises(ValueError, match="layer a has a block whose scale or minimum is not finite"):
         quantize_online(huge, "int8")
-    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4' or 'compressed-tensors'"):
-        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="Input should be 'gguf', 'int8', 'int4', 'compressed-tensors', 'awq' or 'gptq'"):
+        EngineConfig(quantization="fp8")
     with pytest.raises(ValueError, match="quantization int4 runs on device cpu"):
         EngineConfig(quantization="int4", device="cuda")
     with pytest.raises(ValueError, match="quantization int8 computes with bfloat16 or float32 activations, not float16"):

@@ -27,13 +27,15 @@ inline at::Tensor empty_output(const at::Tensor& x, int64_t out_features) {
 // Where a group's block scales (or minimums) are. GGUF's block types hold an fp16 value per block
 // of 32 (`d` [G, B, 16]); its K-quants an integer per sub-block (`sub` [G, B * PB, 16]: uint8, or
 // int8 where `sub_signed`; PB sub-blocks per block of 32) times an fp16 value per super-block of
-// 256 (`d` [G, B / 8, 16]), whose product is exact in float32 (11 by at most 8 significant bits).
+// 2^shift blocks (`d` [G, B >> shift, 16]; GGUF's 256 values: shift 3; an AWQ or GPTQ group of
+// 128: shift 2), whose product is exact in float32 (11 by at most 8 significant bits).
 // `negate`: the value is subtracted (Q4_K's minimums: w = d * sc * q - dmin * m).
 struct Scales {
   const uint16_t* d = nullptr;
   const uint8_t* sub = nullptr;
   bool sub_signed = false;
   bool negate = false;
+  int shift = 3;
   explicit operator bool() const { return d != nullptr; }
 };
 
@@ -49,17 +51,21 @@ struct Operands {
 };
 
 // Checks a K-quant's scales (or minimums): `sub` [G, B * per_block, 16] of `sub_type` and `super`
-// fp16 [G, B / 8, 16] (K a multiple of 256); `op` and `what` name them in the errors (RuntimeError).
+// fp16 [G, S, 16], S = B >> shift for super-blocks of 2^shift blocks (the shift is read from S: B /
+// S a power of two); `op` and `what` name them in the errors (RuntimeError).
 inline Scales check_super(const char* op, const char* what, const at::Tensor& sub, const at::Tensor& super, int64_t groups,
                           int64_t blocks, int64_t per_block, at::ScalarType sub_type) {
-  TORCH_CHECK(blocks % 8 == 0, op, ": K-quant ", what, " need K to be a multiple of 256, not ", blocks * 32);
   TORCH_CHECK(sub.sizes() == at::IntArrayRef({groups, blocks * per_block, 16}) && sub.is_contiguous() &&
                   sub.scalar_type() == sub_type,
               op, ": K-quant ", what, " must be ", sub_type, " [", groups, ", ", blocks * per_block, ", 16]");
-  TORCH_CHECK(super.sizes() == at::IntArrayRef({groups, blocks / 8, 16}) && super.is_contiguous() &&
-                  super.scalar_type() == at::kHalf,
-              op, ": K-quant super-block ", what, " must be fp16 [", groups, ", ", blocks / 8, ", 16]");
+  const int64_t supers = super.dim() == 3 ? super.size(1) : 0;
+  const int64_t per_super = supers > 0 ? blocks / supers : 0;
+  TORCH_CHECK(supers > 0 && blocks % supers == 0 && (per_super & (per_super - 1)) == 0 && super.size(0) == groups &&
+                  super.size(2) == 16 && super.is_contiguous() && super.scalar_type() == at::kHalf,
+              op, ": K-quant super-block ", what, " must be fp16 [", groups, ", S, 16], S dividing the ", blocks,
+              " blocks into super-blocks of a power of two; got ", super.sizes());
   Scales s;
+  s.shift = __builtin_ctzll(static_cast<unsigned long long>(per_super));
   s.d = reinterpret_cast<const uint16_t*>(super.data_ptr<at::Half>());
   s.sub = static_cast<const uint8_t*>(sub.data_ptr());
   s.sub_signed = sub_type == at::kChar;
@@ -151,7 +157,7 @@ template <int PB = 1>
 inline __m512 scale_of(const Scales& s, int64_t group, int64_t blocks, int64_t b, int part = 0) {
   if (!s.sub) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * blocks + b) * 16)));
   const __m512 super =
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * (blocks / 8) + b / 8) * 16)));
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * (blocks >> s.shift) + (b >> s.shift)) * 16)));
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s.sub + ((group * blocks + b) * PB + part) * 16));
   const __m512 value = _mm512_mul_ps(super, _mm512_cvtepi32_ps(s.sub_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw)));
   return s.negate ? _mm512_sub_ps(_mm512_setzero_ps(), value) : value;
@@ -220,7 +226,7 @@ template <int PB = 1>
 inline __m256 scale_of_avx2(const Scales& s, int64_t group, int64_t blocks, int64_t b, int half, int part = 0) {
   if (!s.sub) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * blocks + b) * 16 + half * 8)));
   const __m256 super =
-      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * (blocks / 8) + b / 8) * 16 + half * 8)));
+      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * (blocks >> s.shift) + (b >> s.shift)) * 16 + half * 8)));
   const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s.sub + ((group * blocks + b) * PB + part) * 16 + half * 8));
   const __m256 value = _mm256_mul_ps(super, _mm256_cvtepi32_ps(s.sub_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw)));
   return s.negate ? _mm256_sub_ps(_mm256_setzero_ps(), value) : value;

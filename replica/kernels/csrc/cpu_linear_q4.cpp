@@ -2,7 +2,7 @@
 // defines the op library carpool_cpu): weights in blocks of 32 along K, each block of one output
 // row with its own scale d and, optionally, minimum m (fp16), as GGUF's Q4_0 (w = d * (q - 8)) and
 // Q4_1 (w = d * q + m) store them, or, for Q4_K (w = d * sc * q - dmin * m), an integer scale and
-// minimum per block (uint8) under fp16 ones per super-block of 256 (cpu_linear_blocks.h: Scales),
+// minimum per block (uint8) under fp16 ones per super-block (of 256; an AWQ or GPTQ group: cpu_linear_blocks.h: Scales),
 // or 5-bit values (Q5_0, Q5_1, Q5_K: as the 4-bit types, q in 0..31) with their fifth bits in a plane;
 // bf16 activations on AVX512-BF16 (with AVX512BW for the
 // nibbles), float32 activations on AVX512F.
@@ -21,7 +21,7 @@
 //     nibbles are the k-pair (4h, 4h + 1) of the 16 lanes as vdpbf16ps wants them (lane j's pair in
 //     elements 2j, 2j + 1), the high nibbles the k-pair (4h + 2, 4h + 3).
 //   scales, mins fp16 [G, B, 16] (mins absent for Q4_0); Q4_K: scales and mins uint8 [G, B, 16],
-//     super_scales and super_mins fp16 [G, B / 8, 16].
+//     super_scales and super_mins fp16 [G, S, 16] (super-blocks of B / S blocks, a power of two).
 //   qhigh int32 [G, B, 8, 2] for 5-bit values: word [g, b, h, t] holds in bit 2j + e the fifth bit of
 //     q[j, 4h + 2t + e], the value whose low 4 bits are nibble t of byte [h, j, e]: as a mask over the
 //     32 words of a quarter's widened bytes, it marks the words that get 16 added.

@@ -14,7 +14,7 @@
 //     the signed byte q[j, 2p + e]: the 32 bytes of a k-pair are the 16 lanes' pairs in the order
 //     vdpbf16ps wants them (lane j's pair in elements 2j, 2j + 1).
 //   scales fp16 [G, B, 16]; Q6_K: scales int8 [G, 2B, 16] (sub-block 2b + t holds k-pairs 8t .. 8t + 7 of
-//     block b, summed and scaled on their own), super_scales fp16 [G, B / 8, 16].
+//     block b, summed and scaled on their own), super_scales fp16 [G, S, 16] (super-blocks of B / S blocks).
 // A byte becomes float32 exactly (sign-extended, vcvtdq2ps); for bf16, two such halves are rounded to
 // bf16 together (vcvtne2ps2bf16), exactly too: |q| <= 128 needs 8 significant bits.
 #include <torch/library.h>
