@@ -137,19 +137,6 @@ def check_scheme(name: str, scheme) -> None:
         )
 
 
-def packs_zero_points(config: dict) -> bool:
-    """Whether a compressed-tensors ``quantization_config`` (a dict) has asymmetric
-    ``pack-quantized`` weights, whose packed zero points transformers does not load by itself
-    (:func:`replica.quant.compressed.load_packed_zero_points`)."""
-    if config.get("quant_method") != NAME:
-        return False
-    for scheme in (config.get("config_groups") or {}).values():
-        weights = scheme.get("weights") or {}
-        if (scheme.get("format") or config.get("format")) == "pack-quantized" and weights.get("symmetric") is False:
-            return True
-    return False
-
-
 def _describe(args) -> str:
     if args is None:
         return "none"

@@ -57,14 +57,21 @@ def compressed_config(model: torch.nn.Module):
     return config if str(getattr(method, "value", method)) == NAME else None
 
 
-def load_packed_zero_points(model: torch.nn.Module, path: str, mismatched) -> None:
-    """Set the packed zero points of an asymmetric ``pack-quantized`` checkpoint (at ``path``, a
-    folder) from its files: transformers 5.25 with compressed-tensors 0.20.1 builds those layers
-    with zero points of the unpacked shape ``[N, G]`` (the package's compression of a model on
-    ``meta`` leaves them unpacked), so the checkpoint's ``[N / 8, G]`` int32 ones mismatch; the model
-    is loaded with ``ignore_mismatched_sizes`` and ``mismatched`` (its loading info's
-    ``mismatched_keys``: ``(name, checkpoint shape, model shape)``) are read here, read as stored,
-    as the package's own decompression reads them.
+def load_what_transformers_drops(model: torch.nn.Module, path: str, mismatched, unexpected) -> None:
+    """Set from the files of the checkpoint at ``path`` (a folder) what transformers' loading
+    info (``mismatched_keys``: ``(name, checkpoint shape, model shape)``; ``unexpected_keys``)
+    says it left out:
+
+    * packed zero points of asymmetric ``pack-quantized`` layers: transformers 5.25 with
+      compressed-tensors 0.20.1 builds them at the unpacked shape ``[N, G]`` (the package's
+      compression of a model on ``meta`` leaves them unpacked), so the checkpoint's ``[N / 8, G]``
+      int32 ones mismatch (the model is loaded with ``ignore_mismatched_sizes``); set as stored,
+      as the package's own decompression reads them;
+    * ``input_order`` (int32 ``[K]``) of a GPTQ layer in activation order converted by
+      :mod:`replica.quant.gptq`: the input each of its columns takes, kept as
+      ``carpool_input_order`` (int64) for :func:`_to_blocks` and :func:`_to_dense`.
+
+    Other unexpected tensors are logged.
 
     Raises:
         ValueError: a tensor other than a zero point mismatched (the checkpoint does not fit the
@@ -78,13 +85,23 @@ def load_packed_zero_points(model: torch.nn.Module, path: str, mismatched) -> No
         if not name.endswith(".weight_zero_point"):
             raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
         names.append(name)
-    files = get_checkpoint_files(path) if names else {}
+    names += [name for name in unexpected if name.endswith(".input_order")]
+    others = sorted(name for name in unexpected if not name.endswith(".input_order"))
+    if others:
+        logger.warning("quantization %s: the checkpoint's %s are not the model's (left out)", NAME, ", ".join(others[:5]))
+    if not names:
+        return
+    files = get_checkpoint_files(path)
     where = get_weight_map(files)
     for shard in sorted({where[name] for name in names}):
         with safe_open(files[shard], framework="pt") as file:
             for name in (name for name in names if where[name] == shard):
-                module = model.get_submodule(name.rsplit(".", 1)[0])
-                module.weight_zero_point = torch.nn.Parameter(file.get_tensor(name), requires_grad=False)
+                module_name, part = name.rsplit(".", 1)
+                module = model.get_submodule(module_name)
+                if part == "input_order":
+                    module.carpool_input_order = file.get_tensor(name).long()
+                else:
+                    module.weight_zero_point = torch.nn.Parameter(file.get_tensor(name), requires_grad=False)
 
 
 def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -131,6 +148,9 @@ def _to_blocks(name: str, module: torch.nn.Linear, dtype: torch.dtype) -> bool:
     if activations is not None:
         module.carpool_input_args = activations
         module.forward = types.MethodType(_w8a8_forward, module)
+    if getattr(module, "carpool_input_order", None) is not None:  # GPTQ in activation order
+        module.carpool_ordered_forward = module.forward
+        module.forward = types.MethodType(_ordered_forward, module)
     return True
 
 
@@ -145,6 +165,8 @@ def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
     q, scale, zero = _integers(module)
     group = q.shape[1] if scale.shape[-1] == 1 else weights.group_size
     if zero is not None or not fits(tuple(q.shape), group) or not torch.equal(scale.bfloat16().float(), scale.float()):
+        return False
+    if getattr(module, "carpool_input_order", None) is not None:
         return False
     _release_compressed(module, dtype)
     use_tinygemm(module, q, scale, group, dtype)
@@ -179,6 +201,9 @@ def _to_dense(module: torch.nn.Module) -> None:
     inputs = module.quantization_scheme.input_activations
     decompress_module(module, leave_decompressed=False)
     module.__dict__.pop("forward", None)
+    order = module.__dict__.pop("carpool_input_order", None)
+    if order is not None:  # columns back in the inputs' order
+        module.weight.data = module.weight.data[:, torch.argsort(order)].contiguous()
     if inputs is not None:
         module.carpool_own_forward = True
         module.forward = types.MethodType(_w8a8_dense_forward, module)
@@ -278,6 +303,12 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(-1, keepdim=True) / 127.5
     scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
     return torch.round(torch.clamp(x / scale, -128, 127)), scale
+
+
+def _ordered_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A layer whose columns are its inputs in ``carpool_input_order`` (GPTQ in activation order):
+    its kernel on ``x[..., order]``."""
+    return self.carpool_ordered_forward(x.index_select(-1, self.carpool_input_order))
 
 
 def _w8a8_dense_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,18 @@ b`` per int32; ``G`` groups of ``group_size`` inputs, or one where ``group_size`
   // f]``, stored as ``z - 1`` in the ``gptq`` (v1) format (read as ``(stored + 1) mod 2^b``) and
   as ``z`` in ``gptq_v2``;
 * ``scales`` fp16 ``[G, N]``; ``g_idx`` int32 ``[K]``, the group of each input (``k //
-  group_size``, else the checkpoint was quantized in activation order, ``desc_act``: such
-  layers are refused, as compressed-tensors 0.20 no longer computes them);
+  group_size``, unless the checkpoint was quantized in activation order, ``desc_act``);
 
 and its weights are ``w[n, k] = scales[g, n] * (q[k, n] - z[g, n])``, ``g = g_idx[k]`` (AutoGPTQ's
 ``dequantize_weight``; GPTQModel's ``TorchQuantLinear``). compressed-tensors writes them as signed
 values ``q - 2^(b-1)`` (``weight_packed``, ``weight_shape``), ``weight_scale`` ``[N, G]``,
-and ``weight_zero_point`` ``z - 2^(b-1)`` (packed along N) where the checkpoint is asymmetric.
+and ``weight_zero_point`` ``z - 2^(b-1)`` (packed along N) where the checkpoint is asymmetric. A
+layer in activation order (a ``g_idx`` other than ``k // group_size``) has its inputs sorted by
+group (stably: ``order = argsort(g_idx)``), so that its groups are runs of ``group_size`` inputs
+as compressed-tensors 0.20 stores them (it no longer computes a ``g_idx``): ``weight_packed``
+holds ``q[:, order]`` and Carpool's own tensor ``input_order`` (int32 ``[K]``) says which input
+each column takes; the package alone would de-quantize such a layer's columns in that order, so
+only Carpool's loader serves the copy (:func:`replica.quant.compressed.load_what_transformers_drops`).
 """
 
 from __future__ import annotations
@@ -111,18 +116,20 @@ class GPTQConverter:
         zeros = (zeros - half).T.contiguous().to(torch.int8)  # [N, G]
         if self.sym and bool((zeros != 0).any()):
             raise ValueError(f"GPTQ checkpoint: layer {module} is symmetric (sym) but its zero points are not {half}")
-        out = {
+        out = {}
+        if g_idx is not None and not _plain(g_idx, self.group_size):  # activation order: inputs sorted by group
+            order = torch.argsort(g_idx.long(), stable=True)
+            if not torch.equal(g_idx.long()[order], torch.arange(k) // (k // groups)):
+                raise ValueError(f"GPTQ checkpoint: layer {module}'s g_idx does not make {groups} groups of {k // groups} inputs")
+            q = q[:, order].contiguous()
+            out["input_order"] = order.to(torch.int32)
+        out.update({
             "weight_packed": pack_to_int32(q, self.bits),
             "weight_shape": torch.tensor([n, k]),
             "weight_scale": scales.T.contiguous(),
-        }
+        })
         if not self.sym:
             out["weight_zero_point"] = pack_to_int32(zeros, self.bits, packed_dim=0).contiguous()
-        if g_idx is not None and not _plain(g_idx, self.group_size):
-            raise ValueError(
-                f"GPTQ checkpoint: layer {module}'s groups are in activation order (desc_act), which is not served yet "
-                "(compressed-tensors dropped g_idx at inference)"
-            )
         return out
 
     def update_config(self, config):

@@ -89,38 +89,38 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
 def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
     """transformers' ``from_pretrained``. A compressed-tensors checkpoint missing a tensor the
-    model needs is refused (transformers would initialize it at random, with a warning); an
-    asymmetric ``pack-quantized`` one's zero points, which transformers does not load, are read
-    from its files after it (:func:`replica.quant.compressed.load_packed_zero_points`).
+    model needs, or with one of another shape (but packed zero points), is refused (transformers
+    would initialize it at random, with a warning); what
+    transformers leaves out of one (an asymmetric ``pack-quantized`` checkpoint's zero points, a
+    converted GPTQ layer's input order) is read from its files after it
+    (:func:`replica.quant.compressed.load_what_transformers_drops`).
 
     Raises:
-        ValueError: a compressed-tensors checkpoint lacks tensors (the first five named).
+        ValueError: a compressed-tensors checkpoint lacks tensors (the first five named) or has
+            one of another shape than the model's.
     """
     from transformers import AutoModelForCausalLM
 
     from replica.config.model_files import checkpoint_config
-    from replica.quant.checkpoint import NAME, packs_zero_points
+    from replica.quant.checkpoint import NAME
 
     config = (checkpoint_config(path) or {}).get("quantization_config")
     if not (isinstance(config, dict) and config.get("quant_method") == NAME):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    packed = packs_zero_points(config)
-    report = logging.getLogger("transformers.modeling_utils")  # its load report would list every zero point
+    report = logging.getLogger("transformers.modeling_utils")  # its load report would list each of those tensors
     level = report.level
-    if packed:
-        report.setLevel(logging.ERROR)
+    report.setLevel(logging.ERROR)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, ignore_mismatched_sizes=packed, output_loading_info=True,
+            path, dtype=dtype, attn_implementation=attn_implementation, ignore_mismatched_sizes=True, output_loading_info=True,
         )
     finally:
         report.setLevel(level)
     if info["missing_keys"]:
         raise ValueError(f"{path}: the checkpoint lacks {', '.join(sorted(info['missing_keys'])[:5])}")
-    if packed:
-        from replica.quant.compressed import load_packed_zero_points
+    from replica.quant.compressed import load_what_transformers_drops
 
-        load_packed_zero_points(model, path, info["mismatched_keys"])
+    load_what_transformers_drops(model, path, info["mismatched_keys"], info["unexpected_keys"])
     return model
 
 

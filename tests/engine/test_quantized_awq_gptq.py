@@ -5,10 +5,11 @@
 
 * the converted checkpoint, loaded and de-quantized by the package, is exactly the writer's
   weights ``s * (q - z)``; the engine's greedy tokens (float32) are transformers' own on them;
-* alone = batched = chunked = preempted on an AWQ engine (bf16, compiled);
+* alone = batched = chunked = preempted on AWQ and act-order GPTQ engines (bf16, compiled);
 * the default model in AWQ keeps transformers' perplexity (1 %) on the same weights;
-* refusals, by name: other bit widths and packings, per-module overrides, activation order,
-  settings that do not fit, a layer without its zero points.
+* GPTQ in activation order: inputs sorted by group, each layer's input gathered in that order;
+* refusals, by name: other bit widths and packings, per-module overrides, settings that do not
+  fit, a layer without its zero points.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ VARIANTS = {  # name -> (writer, kwargs, the first down_proj's kernel form: offs
     "gptq-4-zero-points": (write_gptq, {"sym": False}, 0, True),
     "gptq-4-v2-channel": (write_gptq, {"sym": False, "group_size": -1, "checkpoint_format": "gptq_v2"}, 0, True),
     "gptq-8-sym": (write_gptq, {"bits": 8, "group_size": 64}, 128, False),
+    "gptq-4-act-order": (write_gptq, {"sym": False, "desc_act": True}, 0, True),
 }
 
 
@@ -85,6 +87,7 @@ def test_converted_weights_are_the_checkpoint_s_and_greedy_tokens_transformers_o
         assert llm.engine.runner.num_quantized == 14
         layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
         assert layer.carpool_q_offset == offset and (layer.carpool_q_super_mins is not None) == k_quant
+        assert (getattr(layer, "carpool_input_order", None) is not None) == ("act-order" in variant)
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
         assert_idle(llm.engine)
@@ -92,8 +95,9 @@ def test_converted_weights_are_the_checkpoint_s_and_greedy_tokens_transformers_o
 
 
 @needs_bf16
-def test_awq_alone_equals_batched_chunked_and_preempted(written):
-    assert_alone_equals_batched_chunked_and_preempted(14, model=str(written("awq")[0]))
+@pytest.mark.parametrize("variant", ["awq", "gptq-4-act-order"])
+def test_alone_equals_batched_chunked_and_preempted(written, variant):
+    assert_alone_equals_batched_chunked_and_preempted(14, model=str(written(variant)[0]))
 
 
 @needs_bf16
@@ -128,7 +132,7 @@ def _with_config(folder: Path, target: Path, **changes) -> str:
 
 
 @needs_f32
-def test_what_is_not_served_is_refused_by_name(written, tiny_llama, tmp_path):
+def test_what_is_not_served_is_refused_by_name(written, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from replica.config.engine_config import EngineConfig
@@ -152,9 +156,6 @@ def test_what_is_not_served_is_refused_by_name(written, tiny_llama, tmp_path):
         EngineConfig(quantization="gptq", tensor_parallel_size=2)
     check_checkpoint(awq, "awq", 1)
 
-    ordered, _ = write_gptq(tiny_llama, tmp_path / "ordered", desc_act=True)
-    with pytest.raises(ValueError, match="layer model.layers.0.mlp.down_proj's groups are in activation order"):
-        LLM(model=str(ordered), dtype="float32", compile=False, max_num_seqs=1, **ON_TEST_DEVICE)
     lopsided = _with_config(Path(gptq), tmp_path / "no-zeros")
     tensors = load_file(f"{lopsided}/model.safetensors")
     del tensors["model.layers.1.self_attn.o_proj.qzeros"]
