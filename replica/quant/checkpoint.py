@@ -36,15 +36,20 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
         raise ValueError(f"{model}: config.json's quantization_config is {config!r}, not an object with a quant_method")
     method = config.get("quant_method")
     if method is None:
-        if quantization == NAME:
-            raise ValueError(f"quantization {NAME} needs a checkpoint whose config.json has a {NAME} quantization_config; {model} has none")
+        if quantization in (NAME, *CONVERTED):
+            raise ValueError(
+                f"quantization {quantization} needs a checkpoint whose config.json has a {quantization} quantization_config; "
+                f"{model} has none"
+            )
         return
+    text = full.get("text_config") or {}
+    tied = full.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True
     if method in CONVERTED:
         if quantization not in (None, method):
             raise ValueError(f"the model is a {method} checkpoint: serve it with quantization {method} (or unset), not {quantization}")
         if tensor_parallel_size > 1:
             raise ValueError(f"{method} checkpoints run at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
-        check_awq_gptq(method, config)
+        check_awq_gptq(method, config, tied)
         return
     if method != NAME:
         raise ValueError(
@@ -54,21 +59,28 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
         raise ValueError(f"the model is a {NAME} checkpoint: serve it with quantization {NAME} (or unset), not {quantization}")
     if tensor_parallel_size > 1:
         raise ValueError(f"a {NAME} checkpoint runs at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
-    text = full.get("text_config") or {}
-    check_checkpoint_config(config, tied=full.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True)
+    check_checkpoint_config(config, tied=tied)
 
 
-def check_awq_gptq(method: str, config: dict) -> None:
+def check_awq_gptq(method: str, config: dict, tied: bool = False) -> None:
     """Raises ``ValueError`` where an AWQ or GPTQ ``quantization_config`` (a dict) is not one
-    :mod:`replica.quant.convert` converts: AWQ other than 4 bits in AutoAWQ's GEMM format (GEMV,
-    ExLlama, IPEX and Marlin layouts are other packings); GPTQ other than 4 or 8 bits in the
-    ``gptq``/``gptq_v2`` format, or with per-module overrides (GPTQModel's ``dynamic``)."""
+    :mod:`replica.quant.convert` converts: AWQ other than 4 bits with zero points in AutoAWQ's
+    GEMM format (GEMV, ExLlama, IPEX and Marlin layouts are other packings; its GEMM layers
+    always carry zero points); GPTQ other than 4 or 8 bits in the ``gptq``/``gptq_v2`` format,
+    with per-module overrides (GPTQModel's ``dynamic``), or with a quantized ``lm_head`` that
+    the model ties to its input embeddings (``tied``: transformers cannot load that)."""
     bits = config.get("bits", 4)
     if method == "awq":
         version = str(config.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm":
             raise ValueError(f"quantization awq: {bits}-bit {version} checkpoints are not served; 4-bit GEMM ones (AutoAWQ's default) are")
+        if config.get("zero_point", True) is not True:
+            raise ValueError("quantization awq: checkpoints without zero points (zero_point false) are not served; AutoAWQ's GEMM "
+                             "layers carry them")
         return
+    if tied and config.get("lm_head"):
+        raise ValueError("quantization gptq: the checkpoint quantizes lm_head, which this model ties to its input embeddings; "
+                         "transformers cannot load a tied output layer packed")
     fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
     if bits not in GPTQ_BITS or fmt not in GPTQ_FORMATS:
         raise ValueError(f"quantization gptq: {bits}-bit checkpoints in format {fmt} are not served; {GPTQ_BITS} bits in {GPTQ_FORMATS} are")

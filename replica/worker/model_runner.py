@@ -130,7 +130,10 @@ class ModelRunner:
             self.dtype = resolve_dtype(dtype, device)
             self.block_size = block_size
             check_checkpoint(model_path, quantization, tensor_parallel_size)  # a quantized config Carpool refuses, by name
-            model_path = as_compressed(model_path)  # AWQ and GPTQ: their compressed-tensors copy
+            converted = as_compressed(model_path)  # AWQ and GPTQ: their compressed-tensors copy, checked as one
+            if converted != model_path:
+                model_path = converted
+                check_checkpoint(model_path, None, tensor_parallel_size)
             self.model = load_model(
                 model_path, dtype=self.dtype, device=device, attn_implementation=register_paged_attention(),
                 tp_size=tensor_parallel_size,

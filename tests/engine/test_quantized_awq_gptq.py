@@ -67,13 +67,19 @@ def _own_cache(tmp_path, monkeypatch):
 def test_converted_weights_are_the_checkpoint_s_and_greedy_tokens_transformers_own(written, variant):
     from transformers import AutoModelForCausalLM
 
+    from replica.config.engine_config import cache_dir
     from replica.quant.compressed import decompress_all
     from replica.quant.convert import as_compressed
     from replica.worker.model_loader import _from_pretrained
 
+    from replica.quant.convert import _fingerprint
+
     quantized, reference = written(variant)
+    left = Path(cache_dir() / "models" / f".converting-{quantized.name}--{_fingerprint(quantized)}-ct-killed")
+    left.mkdir(parents=True)  # a conversion killed midway
     converted = as_compressed(str(quantized))
     assert converted != str(quantized) and as_compressed(str(quantized)) == converted  # once, then cached
+    assert not left.exists()
     assert json.loads(Path(converted, "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     model = _from_pretrained(converted, torch.float32, "sdpa")
     decompress_all(model)
@@ -144,6 +150,8 @@ def test_what_is_not_served_is_refused_by_name(written, tmp_path):
         _with_config(Path(gptq), tmp_path / "three", bits=3): "3-bit checkpoints in format gptq are not served",
         _with_config(Path(gptq), tmp_path / "marlin", checkpoint_format="marlin"): "in format marlin are not served",
         _with_config(Path(gptq), tmp_path / "dynamic", dynamic={"-:.*down_proj": {}}): "per-module overrides",
+        _with_config(Path(awq), tmp_path / "no-zero", zero_point=False): "without zero points",
+        _with_config(Path(gptq), tmp_path / "head", lm_head=True): "quantizes lm_head, which this model ties",
     }
     for path, said in refused.items():
         with pytest.raises(ValueError, match=said):
@@ -155,7 +163,16 @@ def test_what_is_not_served_is_refused_by_name(written, tmp_path):
     with pytest.raises(ValueError, match="quantization gptq runs at tensor_parallel_size 1"):
         EngineConfig(quantization="gptq", tensor_parallel_size=2)
     check_checkpoint(awq, "awq", 1)
+    with pytest.raises(ValueError, match="quantization gptq needs a checkpoint whose config.json has a gptq quantization_config"):
+        check_checkpoint(str(written("awq")[1]), "gptq", 1)  # the plain reference
 
+    damaged = _with_config(Path(gptq), tmp_path / "damaged")
+    Path(damaged, "model.safetensors").write_bytes(Path(damaged, "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(ValueError, match="damaged: its gptq checkpoint does not convert"):
+        LLM(model=damaged, dtype="float32", compile=False, max_num_seqs=1, **ON_TEST_DEVICE)
+    Path(damaged, "model.safetensors").rename(Path(damaged, "gptq_model-4bit-32g.safetensors"))
+    with pytest.raises(ValueError, match="is converted from model.safetensors \\(or its index\\), which it lacks"):
+        LLM(model=damaged, dtype="float32", compile=False, max_num_seqs=1, **ON_TEST_DEVICE)
     lopsided = _with_config(Path(gptq), tmp_path / "no-zeros")
     tensors = load_file(f"{lopsided}/model.safetensors")
     del tensors["model.layers.1.self_attn.o_proj.qzeros"]
