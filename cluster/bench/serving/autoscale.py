@@ -109,12 +109,19 @@ def _free_port() -> int:
 
 
 def replica_actors(app_name: str) -> list:
-    """Actor handles of the app's running ``LLMReplica`` replicas."""
+    """Actor handles of the app's running ``LLMReplica`` replicas (one that dies between the
+    listing and its lookup, a replica being removed, is left out)."""
     import ray
 
     prefix = f"SERVE_REPLICA::{app_name}#LLMReplica#"
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
-    return [ray.get_actor(n, namespace="serve") for n in names]
+    handles = []
+    for name in names:
+        try:
+            handles.append(ray.get_actor(name, namespace="serve"))
+        except ValueError:  # "Failed to look up actor": it died after the listing
+            continue
+    return handles
 
 
 def wait_for_actors(app_name: str, count: int, timeout_s: float) -> None:
