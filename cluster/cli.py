@@ -311,7 +311,8 @@ def serve_forever(cfg: ServeConfig) -> None:
         stop.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: stop now
 
-    typer.echo(f"carpool: starting {'Ray (joining ' + cfg.address + ')' if cfg.address else 'a local Ray cluster'} ...", err=True)
+    where = f"Ray (joining {cfg.address})" if cfg.address else "a local Ray cluster"
+    typer.echo(f"carpool: checking the model and settings, then starting {where} ...", err=True)
     try:
         url = carpool_app.run(cfg)
     except KeyboardInterrupt:

@@ -38,7 +38,7 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     if method is None:
         if quantization in (NAME, *CONVERTED):
             raise ValueError(
-                f"quantization {quantization} needs a checkpoint whose config.json has a {quantization} quantization_config; "
+                f"quantization {quantization} needs a checkpoint whose config.json has {_a(quantization)} quantization_config; "
                 f"{model} has none"
             )
         return
@@ -46,7 +46,7 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     tied = full.get("tie_word_embeddings", text.get("tie_word_embeddings")) is True
     if method in CONVERTED:
         if quantization not in (None, method):
-            raise ValueError(f"the model is a {method} checkpoint: serve it with quantization {method} (or unset), not {quantization}")
+            raise ValueError(f"the model is {_a(method)} checkpoint: serve it with quantization {method} (or unset), not {quantization}")
         if tensor_parallel_size > 1:
             raise ValueError(f"{method} checkpoints run at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
         check_awq_gptq(method, config, tied)
@@ -147,6 +147,11 @@ def check_scheme(name: str, scheme) -> None:
             f"{said} quantizes its input activations as {_describe(inputs)}; Carpool computes int8 weights with "
             "int8 activations quantized per token, dynamic and symmetric (W8A8), or weights alone"
         )
+
+
+def _a(word: str) -> str:
+    """``word`` with its indefinite article ("an awq", "a gptq")."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
 
 
 def _describe(args) -> str:

@@ -1,7 +1,8 @@
 """AWQ and GPTQ checkpoints served as compressed-tensors ones: converted once, tensor by tensor,
 by the ``compressed-tensors`` package's ``convert_checkpoint`` (its own ``AutoAWQConverter`` for
 AutoAWQ's GEMM format; :class:`replica.quant.gptq.GPTQConverter` for GPTQ), into
-``<cache>/models/<name>--<hash>-ct`` (``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``; the
+``<cache>/models/<parent>--<name>--<hash>-ct`` (the checkpoint folder's last two path parts;
+``$CARPOOL_CACHE_DIR``, default ``~/.cache/carpool``; the
 hash covers the folder's path, its files' sizes and times and the converters' versions, so a
 changed checkpoint converts again; the copy made before stays until removed). The integers and scales are carried over as they are, so the converted checkpoint's
 weights are the original's (``s * (q - z)``); :mod:`replica.quant.compressed` then computes them.
@@ -40,8 +41,9 @@ def as_compressed(model_path: str) -> str:
     if method not in METHODS or not os.path.isdir(model_path):
         return model_path
     source = Path(model_path)
-    target = cache_dir() / "models" / f"{source.resolve().name}--{_fingerprint(source)}-ct"
+    target = cache_dir() / "models" / f"{'--'.join(source.resolve().parts[-2:])}--{_fingerprint(source)}-ct"
     if (target / "config.json").is_file():
+        logger.info("serving the %s checkpoint %s from its compressed-tensors copy %s", method, source, target)
         return str(target)
     from filelock import FileLock
 

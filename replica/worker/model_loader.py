@@ -107,21 +107,30 @@ def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
     config = (checkpoint_config(path) or {}).get("quantization_config")
     if not (isinstance(config, dict) and config.get("quant_method") == NAME):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    report = logging.getLogger("transformers.modeling_utils")  # its load report would list each of those tensors
-    level = report.level
-    report.setLevel(logging.ERROR)
+    # Its load report would list each of those tensors (a filter, not a level: transformers runs
+    # other checks where its logger's level is WARNING or above).
+    report = logging.getLogger("transformers.modeling_utils")
+    quiet = _WithoutLoadReport()
+    report.addFilter(quiet)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, ignore_mismatched_sizes=True, output_loading_info=True,
         )
     finally:
-        report.setLevel(level)
+        report.removeFilter(quiet)
     if info["missing_keys"]:
         raise ValueError(f"{path}: the checkpoint lacks {', '.join(sorted(info['missing_keys'])[:5])}")
     from replica.quant.compressed import load_what_transformers_drops
 
     load_what_transformers_drops(model, path, info["mismatched_keys"], info["unexpected_keys"])
     return model
+
+
+class _WithoutLoadReport(logging.Filter):
+    """Drops transformers' load report (its ``LOAD REPORT`` warning), which Carpool reads as loading info instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
 
 
 def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str | None = None, scheme: str | None = None) -> int:

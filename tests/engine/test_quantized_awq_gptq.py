@@ -76,10 +76,11 @@ def test_converted_weights_are_the_checkpoint_s_and_greedy_tokens_transformers_o
     from replica.quant.convert import _fingerprint
 
     quantized, reference = written(variant)
-    left = Path(cache_dir() / "models" / f".converting-{quantized.name}--{_fingerprint(quantized)}-ct-killed")
+    name = f"{quantized.parent.name}--{quantized.name}--{_fingerprint(quantized)}-ct"
+    left = Path(cache_dir() / "models" / f".converting-{name}-killed")
     left.mkdir(parents=True)  # a conversion killed midway
     converted = as_compressed(str(quantized))
-    assert converted != str(quantized) and as_compressed(str(quantized)) == converted  # once, then cached
+    assert converted == str(cache_dir() / "models" / name) and as_compressed(str(quantized)) == converted  # once, then cached
     assert not left.exists()
     assert json.loads(Path(converted, "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
     model = _from_pretrained(converted, torch.float32, "sdpa")
@@ -180,13 +181,17 @@ def test_what_is_not_served_is_refused_by_name(written, tmp_path):
     for path, said in refused.items():
         with pytest.raises(ValueError, match=said):
             check_checkpoint(path, None, 1)
-    with pytest.raises(ValueError, match="a gptq checkpoint: serve it with quantization gptq \\(or unset\\), not awq"):
+    with pytest.raises(ValueError, match="the model is a gptq checkpoint: serve it with quantization gptq \\(or unset\\), not awq"):
         check_checkpoint(gptq, "awq", 1)
     with pytest.raises(ValueError, match="awq checkpoints run at tensor_parallel_size 1 for now"):
         check_checkpoint(awq, None, 2)
     with pytest.raises(ValueError, match="quantization gptq runs at tensor_parallel_size 1"):
         EngineConfig(quantization="gptq", tensor_parallel_size=2)
     check_checkpoint(awq, "awq", 1)
+    with pytest.raises(ValueError, match="quantization awq needs a checkpoint whose config.json has an awq quantization_config"):
+        check_checkpoint(str(written("awq")[1]), "awq", 1)
+    with pytest.raises(ValueError, match="an awq checkpoint: serve it with quantization awq"):
+        check_checkpoint(awq, "int4", 1)
     with pytest.raises(ValueError, match="quantization gptq needs a checkpoint whose config.json has a gptq quantization_config"):
         check_checkpoint(str(written("awq")[1]), "gptq", 1)  # the plain reference
 
