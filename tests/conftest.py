@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 # One torch thread per test process keeps timings stable on the 2-core machines (DESIGN.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Property tests check behaviour, not speed: a loaded 2-core machine must not fail them for
+# generating inputs slowly or running an example past hypothesis's 200 ms deadline.
+settings.register_profile("carpool", suppress_health_check=[HealthCheck.too_slow], deadline=None)
+settings.load_profile("carpool")
 
 
 @pytest.fixture(scope="session")

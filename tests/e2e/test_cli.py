@@ -76,7 +76,8 @@ def test_an_embedding_model_with_generation_settings_is_refused_before_ray_start
     """The pooling engine's refusals (replica/pooling/__init__.py) come before Ray, not as the
     replicas' tracebacks half a minute later."""
     started = time.monotonic()
-    result = run_cli("serve", "--model", "sentence-transformers/all-MiniLM-L6-v2", "--scheduling-policy", "priority")
+    result = run_cli("serve", "--model", "sentence-transformers/all-MiniLM-L6-v2", "--scheduling-policy", "priority",
+                     "--port", str(free_port()))  # not 8000: a server of the machine's own may hold it
     assert result.returncode != 0, result.stderr
     assert "failed to start: model 'sentence-transformers/all-MiniLM-L6-v2' is an embedding model" in result.stderr
     assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
@@ -93,7 +94,7 @@ def test_gguf_quantization_of_a_model_that_is_no_gguf_file_is_refused_before_ray
         ((str(tmp_path / "junk.gguf"),), "junk.gguf: not a GGUF file"),
     ]
     for args, message in cases:
-        result = run_cli("serve", "--model", *args)
+        result = run_cli("serve", "--model", *args, "--port", str(free_port()))
         assert result.returncode != 0, result.stderr
         assert "failed to start: " in result.stderr and message in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
         assert "Traceback" not in result.stderr and "deploying" not in result.stderr, result.stderr[-2000:]
