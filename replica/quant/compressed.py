@@ -25,7 +25,7 @@ de-quantized there.
 
 Scales are per output channel or per group of ``group_size`` inputs (a multiple of 32). A layer
 the kernels cannot compute exactly (a scale that fp16 does not hold exactly, such as most
-float32 scales; groups of fewer than 32 inputs or in activation order; K not whole blocks; int8
+float32 scales; groups of fewer than 32 inputs; K not whole blocks; int8
 with zero points) is de-quantized by the package (``decompress_module``) into a plain dense layer
 (W8A8's inputs still quantized per token) and computes what it would in transformers; the log
 counts those. A non-finite weight scale refuses the start, naming the layer. Schemes that are
@@ -160,13 +160,11 @@ def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
     from replica.quant.tinygemm import fits, use_tinygemm
 
     weights = module.quantization_scheme.weights
-    if weights.num_bits != 4 or dtype != torch.bfloat16 or getattr(module, "weight_g_idx", None) is not None:
+    if weights.num_bits != 4 or dtype != torch.bfloat16 or getattr(module, "carpool_input_order", None) is not None:
         return False
     q, scale, zero = _integers(module)
     group = q.shape[1] if scale.shape[-1] == 1 else weights.group_size
     if zero is not None or not fits(tuple(q.shape), group) or not torch.equal(scale.bfloat16().float(), scale.float()):
-        return False
-    if getattr(module, "carpool_input_order", None) is not None:
         return False
     _release_compressed(module, dtype)
     use_tinygemm(module, q, scale, group, dtype)
@@ -237,8 +235,6 @@ def _blocks_of(module: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, ze
     """The layer's weights (its :func:`_integers` ``q``, ``scale``, ``zero``) as blocks for the
     kernels, or None where they would not be exact."""
     weights = module.quantization_scheme.weights
-    if getattr(module, "weight_g_idx", None) is not None and not _ordered(module.weight_g_idx, weights.group_size):
-        return None
     n, k = q.shape
     group = k if scale.shape[-1] == 1 else weights.group_size
     if k % BLOCK or group % BLOCK or scale.shape != (n, k // group):
@@ -252,11 +248,6 @@ def _blocks_of(module: torch.nn.Linear, q: torch.Tensor, scale: torch.Tensor, ze
     if zero is None:
         return BlockWeight((q + 8).to(torch.uint8), per_block, None, 8, 4)
     return with_zero_points((q + 8).to(torch.uint8), half, (zero + 8).to(torch.uint8), group)  # s * ((q + 8) - (z + 8))
-
-
-def _ordered(g_idx: torch.Tensor, group_size: int | None) -> bool:
-    """Whether activation-order group indices are the plain ``k // group_size`` (groups of adjacent inputs)."""
-    return group_size is not None and torch.equal(g_idx.cpu().long(), torch.arange(g_idx.numel()) // group_size)
 
 
 def _check_blocks(name: str, module: torch.nn.Linear, blocks: BlockWeight, q: torch.Tensor, scale: torch.Tensor,
@@ -275,7 +266,7 @@ def _release_compressed(module: torch.nn.Linear, dtype: torch.dtype) -> None:
     """Drop the layer's compressed tensors and the package's state; a placeholder ``weight`` of the
     layer's shape (on ``meta``) and ``dtype`` stays for :func:`use_blocks` to release."""
     shape = (module.out_features, module.in_features)
-    for key in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
+    for key in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
                 "input_scale", "input_zero_point"):
         if key in module._parameters or key in module._buffers:
             delattr(module, key)

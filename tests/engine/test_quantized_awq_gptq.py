@@ -29,6 +29,7 @@ from tests.engine.test_quantized_online import (
     PROMPTS,
     _greedy,
     assert_alone_equals_batched_chunked_and_preempted,
+    assert_lora_gives_peft_tokens,
     needs_bf16,
     needs_f32,
 )
@@ -113,22 +114,11 @@ def test_lora_adapters_on_a_gptq_base_in_activation_order_give_peft_s_tokens(wri
     """QLoRA's arrangement on a GPTQ base whose layers gather their inputs (activation order): a
     real peft adapter's matrices dense (float32) beside them; greedy tokens equal peft's on the
     checkpoint's weights, with and without the adapter in one batch."""
-    from replica.protocol.lora_request import LoRARequest
-    from tests.lora_adapters import make_adapter, peft_greedy
+    from tests.lora_adapters import make_adapter
 
     quantized, reference = written("gptq-4-act-order")
     adapter = make_adapter(tiny_llama, tmp_path / "adapter", r=8, strength=0.5)
-    with LLM(model=str(quantized), dtype="float32", compile=False, enable_lora=True, max_loras=1, max_lora_rank=8,
-             max_num_seqs=4, **ON_TEST_DEVICE) as llm:
-        assert llm.engine.runner.num_quantized == 14
-        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-        lora = LoRARequest("a", 1, adapter)
-        outs = llm.generate(prompt_token_ids=PROMPTS[:2] * 2, sampling_params=params, lora_request=[lora, lora, None, None])
-        got = [o.outputs[0].token_ids for o in outs]
-        assert_idle(llm.engine)
-    assert got[:2] == peft_greedy(str(reference), adapter, PROMPTS[:2], 16)
-    assert got[2:] == peft_greedy(str(reference), None, PROMPTS[:2], 16)
-    assert got[:2] != got[2:]  # the adapter changes the tokens
+    assert_lora_gives_peft_tokens(str(reference), adapter, 14, model=str(quantized))
 
 
 @needs_bf16

@@ -132,8 +132,7 @@ def test_lora_adapters_on_a_4_bit_base_give_peft_s_tokens_on_the_blocks_weights(
     """QLoRA's arrangement: the base's layers on Q4_1 blocks, a real peft adapter's matrices dense
     (float32); the engine's greedy tokens equal peft's on the blocks' weights, with and without
     the adapter in one batch."""
-    from replica.protocol.lora_request import LoRARequest
-    from tests.lora_adapters import make_adapter, peft_greedy
+    from tests.lora_adapters import make_adapter
 
     adapter = make_adapter(tiny_llama, tmp_path / "adapter", r=8, strength=0.5)
     base = tmp_path / "blocks-base"
@@ -141,16 +140,26 @@ def test_lora_adapters_on_a_4_bit_base_give_peft_s_tokens_on_the_blocks_weights(
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(base)
-    with LLM(model=tiny_llama, quantization="int4", dtype="float32", compile=False, enable_lora=True, max_loras=1,
-             max_lora_rank=8, max_num_seqs=4, **ON_TEST_DEVICE) as llm:
-        assert llm.engine.runner.num_quantized == 7 * llm.engine.runner.model.config.num_hidden_layers + 1
+    assert_lora_gives_peft_tokens(str(base), adapter, 7 * 2 + 1, model=tiny_llama, quantization="int4")
+
+
+def assert_lora_gives_peft_tokens(reference: str, adapter, quantized: int, **settings) -> None:
+    """On an engine of ``settings`` (float32, eager, LoRA on) with ``quantized`` layers on blocks:
+    two prompts' greedy tokens with ``adapter`` and without, in one batch, equal peft's on
+    ``reference`` (a plain checkpoint of the blocks' weights), and the adapter changes them."""
+    from replica.protocol.lora_request import LoRARequest
+    from tests.lora_adapters import peft_greedy
+
+    with LLM(dtype="float32", compile=False, enable_lora=True, max_loras=1, max_lora_rank=8, max_num_seqs=4,
+             **ON_TEST_DEVICE, **settings) as llm:
+        assert llm.engine.runner.num_quantized == quantized
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         lora = LoRARequest("a", 1, adapter)
         outs = llm.generate(prompt_token_ids=PROMPTS[:2] * 2, sampling_params=params, lora_request=[lora, lora, None, None])
         got = [o.outputs[0].token_ids for o in outs]
         assert_idle(llm.engine)
-    assert got[:2] == peft_greedy(str(base), adapter, PROMPTS[:2], 16)
-    assert got[2:] == peft_greedy(str(base), None, PROMPTS[:2], 16)
+    assert got[:2] == peft_greedy(reference, adapter, PROMPTS[:2], 16)
+    assert got[2:] == peft_greedy(reference, None, PROMPTS[:2], 16)
     assert got[:2] != got[2:]  # the adapter changes the tokens
 
 
