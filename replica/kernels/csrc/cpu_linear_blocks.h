@@ -17,6 +17,10 @@
 
 namespace carpool_blocks {
 
+// The helpers a row kernel calls once per block: inlined always (left to itself, g++ called
+// add_block_of out of line, spilling the block's 16 dot-product chains around each call).
+#define CARPOOL_BLOCK_INLINE inline __attribute__((always_inline))
+
 // The output of an x without rows: [..., out_features] of x's dtype.
 inline at::Tensor empty_output(const at::Tensor& x, int64_t out_features) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -154,7 +158,7 @@ void for_each_row_block(int64_t groups, int64_t rows, F&& f) {
 // The 16 lanes' scale (or minimum) of sub-block `part` of block b of `group` (`blocks` per row, PB
 // sub-blocks per block): the fp16 value, or d * sub for a K-quant (exact), negated where asked.
 template <int PB = 1>
-inline __m512 scale_of(const Scales& s, int64_t group, int64_t blocks, int64_t b, int part = 0) {
+CARPOOL_BLOCK_INLINE __m512 scale_of(const Scales& s, int64_t group, int64_t blocks, int64_t b, int part = 0) {
   if (!s.sub) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * blocks + b) * 16)));
   const __m512 super =
       _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.d + (group * (blocks >> s.shift) + (b >> s.shift)) * 16)));
@@ -166,8 +170,8 @@ inline __m512 scale_of(const Scales& s, int64_t group, int64_t blocks, int64_t b
 // The end of a block (or sub-block) for M rows: acc[m] += scale * (even[m] + odd[m]), then, with
 // minimums (Q4_1, Q4_K), acc[m] += min * xsum[m, b].
 template <int M>
-void add_block(__m512* acc, const __m512* even, const __m512* odd, __m512 scale, const __m512* min, const float* xsum,
-               int64_t blocks, int64_t b) {
+CARPOOL_BLOCK_INLINE void add_block(__m512* acc, const __m512* even, const __m512* odd, __m512 scale, const __m512* min,
+                                    const float* xsum, int64_t blocks, int64_t b) {
   for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(scale, _mm512_add_ps(even[m], odd[m]), acc[m]);
   if (min)
     for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(*min, _mm512_set1_ps(xsum[m * blocks + b]), acc[m]);
@@ -175,8 +179,8 @@ void add_block(__m512* acc, const __m512* even, const __m512* odd, __m512 scale,
 
 // add_block with block b's scale, and its minimum where `mins` is set, read from `d` and `mins`.
 template <int M>
-void add_block_of(__m512* acc, const __m512* even, const __m512* odd, const Scales& d, const Scales& mins,
-                  const float* xsum, int64_t group, int64_t blocks, int64_t b) {
+CARPOOL_BLOCK_INLINE void add_block_of(__m512* acc, const __m512* even, const __m512* odd, const Scales& d,
+                                       const Scales& mins, const float* xsum, int64_t group, int64_t blocks, int64_t b) {
   const __m512 scale = scale_of(d, group, blocks, b);
   if (!mins) {
     add_block<M>(acc, even, odd, scale, nullptr, xsum, blocks, b);
@@ -186,14 +190,14 @@ void add_block_of(__m512* acc, const __m512* even, const __m512* odd, const Scal
   add_block<M>(acc, even, odd, scale, &min, xsum, blocks, b);
 }
 
-inline __mmask16 group_mask(int64_t N, int64_t group) {
+CARPOOL_BLOCK_INLINE __mmask16 group_mask(int64_t N, int64_t group) {
   const int64_t left = N - group * 16;
   return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
 }
 
 // y[m, 16 group ...] = acc[m] (+ bias), for M rows of y (row length N).
 template <int M>
-void store_rows(const __m512* acc, const float* bias, float* y, int64_t N, int64_t group) {
+CARPOOL_BLOCK_INLINE void store_rows(const __m512* acc, const float* bias, float* y, int64_t N, int64_t group) {
   const __mmask16 mask = group_mask(N, group);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + group * 16) : _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + group * 16, mask, bias ? _mm512_add_ps(acc[m], bv) : acc[m]);
@@ -203,7 +207,7 @@ void store_rows(const __m512* acc, const float* bias, float* y, int64_t N, int64
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // As above, each output rounded to bf16 once.
 template <int M>
-void store_rows(const __m512* acc, const float* bias, at::BFloat16* y, int64_t N, int64_t group) {
+CARPOOL_BLOCK_INLINE void store_rows(const __m512* acc, const float* bias, at::BFloat16* y, int64_t N, int64_t group) {
   const __mmask16 mask = group_mask(N, group);
   const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + group * 16) : _mm512_setzero_ps();
   for (int m = 0; m < M; ++m) {
@@ -223,7 +227,7 @@ void store_rows(const __m512* acc, const float* bias, at::BFloat16* y, int64_t N
 
 // As scale_of, for the 8 lanes of half `half` of the group.
 template <int PB = 1>
-inline __m256 scale_of_avx2(const Scales& s, int64_t group, int64_t blocks, int64_t b, int half, int part = 0) {
+CARPOOL_BLOCK_INLINE __m256 scale_of_avx2(const Scales& s, int64_t group, int64_t blocks, int64_t b, int half, int part = 0) {
   if (!s.sub) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * blocks + b) * 16 + half * 8)));
   const __m256 super =
       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.d + (group * (blocks >> s.shift) + (b >> s.shift)) * 16 + half * 8)));
@@ -235,7 +239,7 @@ inline __m256 scale_of_avx2(const Scales& s, int64_t group, int64_t blocks, int6
 // The end of a block (or sub-block) for M rows, 8 outputs: acc[m] += scale * (even[m] + odd[m]),
 // then, where xsum is given, acc[m] += low * xsum[m, b] (low = m - offset * d).
 template <int M>
-inline void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, __m256 scale, __m256 low, const float* xsum,
+CARPOOL_BLOCK_INLINE void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, __m256 scale, __m256 low, const float* xsum,
                            int64_t blocks, int64_t b) {
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[m], odd[m]), acc[m]);
@@ -245,7 +249,7 @@ inline void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, _
 
 // y[m, 8 outputs of half `half` of the group] = acc[m] (+ bias), for M rows of y (row length N).
 template <int M>
-inline void store_rows_avx2(const __m256* acc, const float* bias, float* y, int64_t N, int64_t group, int half) {
+CARPOOL_BLOCK_INLINE void store_rows_avx2(const __m256* acc, const float* bias, float* y, int64_t N, int64_t group, int half) {
   const int64_t first = group * 16 + half * 8, left = std::min<int64_t>(8, N - first);
   if (left <= 0) return;
   const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
