@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from cluster.config import ServeConfig
-from cluster.preflight import check_tensor_parallel, free_port, listen_problem
+from cluster.preflight import check_replicas_fit, check_tensor_parallel, free_port, listen_problem
 
 __all__ = [
     "INGRESS_DEPLOYMENT", "LORA_REGISTRY_DEPLOYMENT", "REPLICA_DEPLOYMENT", "RESPONSE_STORE_DEPLOYMENT", "SERVE_ENV", "app_builder", "apply_serve_env",
@@ -345,13 +345,14 @@ def run(config: ServeConfig) -> str:
     check_pooling_settings(config.engine)  # an embedding model with generation-only settings: said before Ray
     start_ray(config)
     check_tensor_parallel(config)
+    replicas = config.autoscaling.min_replicas if config.autoscaling is not None else resolve_replicas(config)
+    check_replicas_fit(config, replicas)
     serve.start(http_options={"host": config.host, "port": proxy_port})
     if config.autoscaling is not None:
         scaling = config.autoscaling
         logger.info("deploying %d to %d autoscaled replica(s) of %s", scaling.min_replicas, scaling.max_replicas, config.engine.model)
         app = build_app(config)
     else:
-        replicas = resolve_replicas(config)
         logger.info("deploying %d replica(s) of %s", replicas, config.engine.model)
         app = build_app(config, replicas)
     serve.run(app, name=config.app_name, route_prefix="/")

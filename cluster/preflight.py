@@ -73,3 +73,31 @@ def check_tensor_parallel(config: ServeConfig) -> None:
             f"tensor_parallel_size {tp} needs {tp * each:g} {kind}s on one node for each replica; "
             f"the largest node of the Ray cluster has {most:g}"
         )
+
+
+def check_replicas_fit(config: ServeConfig, replicas: int) -> None:
+    """Refuse, before deploying, more replicas than a local Ray cluster (one without
+    ``config.address``: the cluster Carpool starts, or the one this process already runs) can ever
+    place. Each replica needs ``tensor_parallel_size`` bundles of one GPU on CUDA, or of
+    ``num_cpus_per_replica`` CPUs; a local cluster never gains nodes, so replicas beyond its
+    devices would wait for them forever, without a word. A joined cluster (``--address``) may
+    gain nodes (KubeRay's autoscaler adds a pod for a pending replica): not checked.
+
+    Raises:
+        ValueError: naming the replicas, what they need and what the cluster has.
+    """
+    if config.address:
+        return
+    import ray
+
+    tp = config.engine.tensor_parallel_size
+    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
+    have = ray.cluster_resources().get(kind, 0.0)
+    need = replicas * tp * each
+    if need > have + 1e-9:
+        shape = f" of tensor_parallel_size {tp}" if tp > 1 else ""
+        raise ValueError(
+            f"{replicas} replica(s){shape} with device={config.engine.device} need {need:g} {kind}{'' if need == 1 else 's'} "
+            f"({tp * each:g} each), but the local Ray cluster has {have:g}: serve fewer replicas "
+            "(--replicas), or join a cluster that has them (--address)"
+        )

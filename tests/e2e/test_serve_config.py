@@ -111,3 +111,18 @@ def test_auto_replicas_is_one_per_core_on_a_cluster_without_gpus(ray_cluster):
     assert resources.get("GPU", 0) == 0
     assert resolve_replicas(ServeConfig()) == int(resources["CPU"]) == 2
     assert resolve_replicas(ServeConfig(num_cpus_per_replica=2)) == 1
+
+
+def test_replicas_the_local_cluster_cannot_place_are_refused_before_deploying(ray_cluster):
+    from cluster.config import ServeConfig
+    from cluster.preflight import check_replicas_fit
+
+    check_replicas_fit(ServeConfig(), 2)  # 2 CPUs: one replica per core fits
+    check_replicas_fit(ServeConfig(num_cpus_per_replica=0.5), 4)
+    with pytest.raises(ValueError, match=r"3 replica\(s\) with device=cpu need 3 CPUs \(1 each\), but the local Ray cluster has 2"):
+        check_replicas_fit(ServeConfig(), 3)
+    with pytest.raises(ValueError, match=r"of tensor_parallel_size 2 .* need 4 CPUs \(2 each\)"):
+        check_replicas_fit(ServeConfig(engine={"tensor_parallel_size": 2}), 2)
+    with pytest.raises(ValueError, match=r"1 replica\(s\) with device=cuda need 1 GPU \(1 each\), but the local Ray cluster has 0: serve fewer replicas"):
+        check_replicas_fit(ServeConfig(engine={"device": "cuda"}), 1)
+    check_replicas_fit(ServeConfig(address="ray://elsewhere:10001", engine={"device": "cuda"}), 8)  # may gain nodes: not checked
