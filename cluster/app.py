@@ -345,11 +345,11 @@ def run(config: ServeConfig) -> str:
     check_pooling_settings(config.engine)  # an embedding model with generation-only settings: said before Ray
     start_ray(config)
     check_tensor_parallel(config)
-    replicas = config.autoscaling.min_replicas if config.autoscaling is not None else resolve_replicas(config)
+    scaling = config.autoscaling
+    replicas = max(scaling.min_replicas, scaling.initial_replicas or 0) if scaling is not None else resolve_replicas(config)
     check_replicas_fit(config, replicas)
     serve.start(http_options={"host": config.host, "port": proxy_port})
-    if config.autoscaling is not None:
-        scaling = config.autoscaling
+    if scaling is not None:
         logger.info("deploying %d to %d autoscaled replica(s) of %s", scaling.min_replicas, scaling.max_replicas, config.engine.model)
         app = build_app(config)
     else:

@@ -1,11 +1,14 @@
 """Checks ``carpool serve`` makes before it starts Ray or deploys, so that a setting that could never
 work stops it at once, named, instead of failing half a minute later in Serve's logs: the HTTP
 address can be listened on (:func:`listen_problem`), a tensor-parallel replica fits the cluster
-(:func:`check_tensor_parallel`); and :func:`free_port`. ``cluster.app`` imports them (and its
+(:func:`check_tensor_parallel`), a local cluster can place every replica (:func:`check_replicas_fit`);
+and :func:`free_port`. ``cluster.app`` imports them (and its
 :func:`~cluster.app.run` calls them); its names for them stay valid.
 """
 
 from __future__ import annotations
+
+import math
 
 from cluster.config import ServeConfig
 
@@ -78,26 +81,38 @@ def check_tensor_parallel(config: ServeConfig) -> None:
 def check_replicas_fit(config: ServeConfig, replicas: int) -> None:
     """Refuse, before deploying, more replicas than a local Ray cluster (one without
     ``config.address``: the cluster Carpool starts, or the one this process already runs) can ever
-    place. Each replica needs ``tensor_parallel_size`` bundles of one GPU on CUDA, or of
-    ``num_cpus_per_replica`` CPUs; a local cluster never gains nodes, so replicas beyond its
-    devices would wait for them forever, without a word. A joined cluster (``--address``) may
-    gain nodes (KubeRay's autoscaler adds a pod for a pending replica): not checked.
+    place. Each replica has ``tensor_parallel_size`` ranks, and each rank reserves
+    ``num_cpus_per_replica`` CPUs (as Ray counts them: cut to 4 decimals) and, on CUDA, one GPU; a
+    local cluster never gains nodes, so replicas beyond its devices would wait for them forever,
+    without a word. ``replicas`` is the fixed count, or with autoscaling the replicas it deploys
+    first (``initial_replicas``, else ``min_replicas``). A joined cluster (``--address``) may gain
+    nodes (KubeRay's autoscaler adds a pod for a pending replica): not checked.
 
     Raises:
-        ValueError: naming the replicas, what they need and what the cluster has.
+        ValueError: naming the replicas, what they need, what the cluster has, and the settings
+            that would fit.
     """
     if config.address:
         return
     import ray
 
     tp = config.engine.tensor_parallel_size
-    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
-    have = ray.cluster_resources().get(kind, 0.0)
-    need = replicas * tp * each
-    if need > have + 1e-9:
+    cuda = config.engine.device.startswith("cuda")
+    per_rank = {"CPU": math.floor(config.num_cpus_per_replica * 1e4) / 1e4, **({"GPU": 1.0} if cuda else {})}
+    resources = ray.cluster_resources()
+    for kind, each in per_rank.items():
+        have, need = resources.get(kind, 0.0), round(replicas * tp * each, 4)
+        if need <= have + 1e-9:
+            continue
         shape = f" of tensor_parallel_size {tp}" if tp > 1 else ""
+        count = "--autoscale's MIN, or initial_replicas" if config.autoscaling else "--replicas"
+        fixes = ["serve on CPU (--device cpu)"] if kind == "GPU" and have == 0 else []
+        if replicas > 1:
+            fixes.append(f"serve fewer replicas ({count})")
+        if kind == "CPU":
+            fixes.append("give each rank fewer cores (num_cpus_per_replica in a config file)")
+        fixes.append("join a cluster that has them (--address)")
         raise ValueError(
             f"{replicas} replica(s){shape} with device={config.engine.device} need {need:g} {kind}{'' if need == 1 else 's'} "
-            f"({tp * each:g} each), but the local Ray cluster has {have:g}: serve fewer replicas "
-            "(--replicas), or join a cluster that has them (--address)"
+            f"({tp * each:g} each), but the local Ray cluster has {have:g}: " + ", or ".join(fixes)
         )

@@ -119,10 +119,20 @@ def test_replicas_the_local_cluster_cannot_place_are_refused_before_deploying(ra
 
     check_replicas_fit(ServeConfig(), 2)  # 2 CPUs: one replica per core fits
     check_replicas_fit(ServeConfig(num_cpus_per_replica=0.5), 4)
-    with pytest.raises(ValueError, match=r"3 replica\(s\) with device=cpu need 3 CPUs \(1 each\), but the local Ray cluster has 2"):
+    check_replicas_fit(ServeConfig(num_cpus_per_replica=0.666667), 3)  # Ray counts 0.6666 each: they fit
+    with pytest.raises(ValueError, match=r"3 replica\(s\) with device=cpu need 3 CPUs \(1 each\), but the local Ray cluster has 2: "
+                       r"serve fewer replicas \(--replicas\), or give each rank fewer cores"):
         check_replicas_fit(ServeConfig(), 3)
+    with pytest.raises(ValueError, match=r"need 2\.0001 CPUs"):
+        check_replicas_fit(ServeConfig(num_cpus_per_replica=0.6667), 3)
     with pytest.raises(ValueError, match=r"of tensor_parallel_size 2 .* need 4 CPUs \(2 each\)"):
         check_replicas_fit(ServeConfig(engine={"tensor_parallel_size": 2}), 2)
-    with pytest.raises(ValueError, match=r"1 replica\(s\) with device=cuda need 1 GPU \(1 each\), but the local Ray cluster has 0: serve fewer replicas"):
+    with pytest.raises(ValueError, match=r"need 3 CPUs \(3 each\), but the local Ray cluster has 2: give each rank fewer cores"):
+        check_replicas_fit(ServeConfig(num_cpus_per_replica=3), 1)  # one replica: fewer replicas would not help
+    autoscaled = ServeConfig(autoscaling={"min_replicas": 1, "max_replicas": 4, "initial_replicas": 3})
+    with pytest.raises(ValueError, match=r"serve fewer replicas \(--autoscale's MIN, or initial_replicas\)"):
+        check_replicas_fit(autoscaled, 3)
+    with pytest.raises(ValueError, match=r"1 replica\(s\) with device=cuda need 1 GPU \(1 each\), but the local Ray cluster has 0: "
+                       r"serve on CPU \(--device cpu\), or join a cluster"):
         check_replicas_fit(ServeConfig(engine={"device": "cuda"}), 1)
     check_replicas_fit(ServeConfig(address="ray://elsewhere:10001", engine={"device": "cuda"}), 8)  # may gain nodes: not checked
