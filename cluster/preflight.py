@@ -1,6 +1,6 @@
 """Checks ``carpool serve`` makes before it starts Ray or deploys, so that a setting that could never
 work stops it at once, named, instead of failing half a minute later in Serve's logs: the HTTP
-address can be listened on (:func:`listen_problem`), a tensor-parallel replica fits the cluster
+address can be listened on (:func:`listen_problem`), a tensor-parallel replica fits a node
 (:func:`check_tensor_parallel`), a local cluster can place every replica (:func:`check_replicas_fit`);
 and :func:`free_port`. ``cluster.app`` imports them (and its
 :func:`~cluster.app.run` calls them); its names for them stay valid.
@@ -52,6 +52,14 @@ def listen_problem(host: str, port: int) -> str | None:
     return None
 
 
+def rank_resources(config: ServeConfig) -> dict[str, float]:
+    """What each rank of a replica reserves (``cluster.app.replica_deployment_options``), as Ray
+    counts it (it cuts resource amounts to 4 decimals): ``num_cpus_per_replica`` CPUs and, on
+    CUDA, one GPU."""
+    cpus = math.floor(config.num_cpus_per_replica * 1e4) / 1e4
+    return {"CPU": cpus, "GPU": 1.0} if config.engine.device.startswith("cuda") else {"CPU": cpus}
+
+
 def check_tensor_parallel(config: ServeConfig) -> None:
     """Refuse, before deploying, a tensor-parallel replica that could never start: the model's heads
     do not split over ``tensor_parallel_size``, or no node of the Ray cluster has the devices of
@@ -69,7 +77,8 @@ def check_tensor_parallel(config: ServeConfig) -> None:
     from replica.config.model_files import check_tp_size, resolve_model_path
 
     check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
-    kind, each = ("GPU", 1.0) if config.engine.device.startswith("cuda") else ("CPU", config.num_cpus_per_replica)
+    kind = "GPU" if config.engine.device.startswith("cuda") else "CPU"
+    each = rank_resources(config)[kind]
     most = max((node["Resources"].get(kind, 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
     if most < tp * each:
         raise ValueError(
@@ -81,9 +90,8 @@ def check_tensor_parallel(config: ServeConfig) -> None:
 def check_replicas_fit(config: ServeConfig, replicas: int) -> None:
     """Refuse, before deploying, more replicas than a local Ray cluster (one without
     ``config.address``: the cluster Carpool starts, or the one this process already runs) can ever
-    place. Each replica has ``tensor_parallel_size`` ranks, and each rank reserves
-    ``num_cpus_per_replica`` CPUs (as Ray counts them: cut to 4 decimals) and, on CUDA, one GPU; a
-    local cluster never gains nodes, so replicas beyond its devices would wait for them forever,
+    place. Each replica has ``tensor_parallel_size`` ranks, each reserving :func:`rank_resources`;
+    a local cluster never gains nodes, so replicas beyond its devices would wait for them forever,
     without a word. ``replicas`` is the fixed count, or with autoscaling the replicas it deploys
     first (``initial_replicas``, else ``min_replicas``). A joined cluster (``--address``) may gain
     nodes (KubeRay's autoscaler adds a pod for a pending replica): not checked.
@@ -97,10 +105,8 @@ def check_replicas_fit(config: ServeConfig, replicas: int) -> None:
     import ray
 
     tp = config.engine.tensor_parallel_size
-    cuda = config.engine.device.startswith("cuda")
-    per_rank = {"CPU": math.floor(config.num_cpus_per_replica * 1e4) / 1e4, **({"GPU": 1.0} if cuda else {})}
     resources = ray.cluster_resources()
-    for kind, each in per_rank.items():
+    for kind, each in rank_resources(config).items():
         have, need = resources.get(kind, 0.0), round(replicas * tp * each, 4)
         if need <= have + 1e-9:
             continue

@@ -239,8 +239,8 @@ CARPOOL_BLOCK_INLINE __m256 scale_of_avx2(const Scales& s, int64_t group, int64_
 // The end of a block (or sub-block) for M rows, 8 outputs: acc[m] += scale * (even[m] + odd[m]),
 // then, where xsum is given, acc[m] += low * xsum[m, b] (low = m - offset * d).
 template <int M>
-CARPOOL_BLOCK_INLINE void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, __m256 scale, __m256 low, const float* xsum,
-                           int64_t blocks, int64_t b) {
+CARPOOL_BLOCK_INLINE void add_block_avx2(__m256* acc, const __m256* even, const __m256* odd, __m256 scale, __m256 low,
+                                         const float* xsum, int64_t blocks, int64_t b) {
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm256_fmadd_ps(scale, _mm256_add_ps(even[m], odd[m]), acc[m]);
     if (xsum) acc[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsum[m * blocks + b]), acc[m]);
