@@ -109,12 +109,12 @@ class EngineConfig(BaseModel):
         None,
         description=(
             "gguf: compute the linear layers from the model's GGUF file as stored (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
-            "Q4_K, Q5_K and Q6_K blocks, so Q4_K_M and Q5_K_M files too, on Carpool's CPU kernels, AVX512 or AVX2; CPU, "
-            "tensor_parallel_size 1); the model is a .gguf file or the default model (its package ships a "
+            "Q4_K, Q5_K and Q6_K blocks, so Q4_K_M and Q5_K_M files too, on Carpool's CPU kernels, AVX512 or AVX2; CPU; "
+            "each rank its part of the blocks under tensor parallelism); the model is a .gguf file or the default model (its package ships a "
             "Q4_1 file). int8, int4: quantize a full-precision model's linear layers at load into blocks "
             "of 32 weights (int8: Q8_0; int4: Q4_1, the output layer Q8_0) on the same kernels, each rank "
             "its own shard under tensor parallelism. compressed-tensors: a checkpoint of that format (W4A16, "
-            "W8A16, W8A8 int8) computed from its integer weights on the same kernels (CPU, tensor_parallel_size 1). "
+            "W8A16, W8A8 int8) computed from its integer weights on the same kernels (each rank its part; W8A8 at tensor_parallel_size 1). "
             "awq, gptq: an AutoAWQ (4-bit GEMM) or GPTQ (4 or 8 bits) checkpoint, converted once into "
             "compressed-tensors and served as one. "
             "Unset: a compressed-tensors, AWQ or GPTQ checkpoint is served as with its method where the kernels run "
@@ -269,11 +269,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"quantization {self.quantization} computes with bfloat16 or float32 activations, not float16")
         if self.quantization and self.quantization not in ("compressed-tensors", "awq", "gptq") and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization} runs on device cpu for now (got device {self.device!r})")
-        if self.quantization in ("gguf", "compressed-tensors", "awq", "gptq") and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"quantization {self.quantization} runs at tensor_parallel_size 1 for now (got {self.tensor_parallel_size})"
-                + ("; int8 and int4 shard" if self.quantization == "gguf" else "")
-            )
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet: serve adapters at tensor_parallel_size 1")
         return self

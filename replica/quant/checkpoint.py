@@ -23,9 +23,8 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     others are checked where they load): raises ``ValueError`` where its config.json quantizes
     it by a method Carpool does not serve (AWQ,
     GPTQ, bitsandbytes, FP8, ...), where ``quantization`` does not fit it (``compressed-tensors``
-    for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), where
-    a compressed-tensors checkpoint would be sharded, or where its schemes are refused
-    (:func:`check_checkpoint_config`)."""
+    for a model that is no such checkpoint; ``gguf``, ``int8`` or ``int4`` for one that is), or
+    where its schemes are refused (:func:`check_checkpoint_config`, at ``tensor_parallel_size``)."""
     from replica.config.model_files import checkpoint_config
 
     full = checkpoint_config(model)
@@ -47,8 +46,6 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
     if method in CONVERTED:
         if quantization not in (None, method):
             raise ValueError(f"the model is {_a(method)} checkpoint: serve it with quantization {method} (or unset), not {quantization}")
-        if tensor_parallel_size > 1:
-            raise ValueError(f"{method} checkpoints run at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
         check_awq_gptq(method, config, tied)
         return
     if method != NAME:
@@ -57,9 +54,7 @@ def check_checkpoint(model: str, quantization: str | None, tensor_parallel_size:
         )
     if quantization not in (None, NAME):
         raise ValueError(f"the model is a {NAME} checkpoint: serve it with quantization {NAME} (or unset), not {quantization}")
-    if tensor_parallel_size > 1:
-        raise ValueError(f"a {NAME} checkpoint runs at tensor_parallel_size 1 for now (got {tensor_parallel_size})")
-    check_checkpoint_config(config, tied=tied)
+    check_checkpoint_config(config, tied=tied, tensor_parallel_size=tensor_parallel_size)
 
 
 def check_awq_gptq(method: str, config: dict, tied: bool = False) -> None:
@@ -88,13 +83,15 @@ def check_awq_gptq(method: str, config: dict, tied: bool = False) -> None:
         raise ValueError("quantization gptq: checkpoints with per-module overrides (dynamic) are not served yet")
 
 
-def check_checkpoint_config(config: dict, tied: bool = False) -> None:
+def check_checkpoint_config(config: dict, tied: bool = False, tensor_parallel_size: int = 1) -> None:
     """Raises ``ValueError`` where a checkpoint's ``quantization_config`` (config.json's, as a dict)
     quantizes the KV cache, transforms weights, embeddings (``model.embed_tokens``, by class or
     name), the output layer of a model whose ``tied`` embeddings share it (transformers cannot
     load that: its tied weight is the packed ``lm_head.weight``), or has a scheme Carpool does not
-    compute (naming the config group and its targets): what :func:`quantize_from_compressed`
-    would refuse, said before any replica loads the model. Targets are matched as the package
+    compute (naming the config group and its targets), or int8 inputs (W8A8) at a
+    ``tensor_parallel_size`` above 1 (a row-wise layer's rank would quantize each token from its
+    part of the inputs, not the whole: other integers than transformers'): what
+    :func:`quantize_from_compressed` would refuse, said before any replica loads the model. Targets are matched as the package
     matches them (``is_match``)."""
     import torch
     from compressed_tensors.quantization import QuantizationConfig
@@ -121,6 +118,9 @@ def check_checkpoint_config(config: dict, tied: bool = False) -> None:
                 "transformers cannot load a tied output layer packed (leave lm_head out: ignore it)"
             )
         check_scheme(said, scheme)
+        if scheme.input_activations is not None and tensor_parallel_size > 1:
+            raise ValueError(f"quantization {NAME}: {said} quantizes its input activations per token (W8A8), which runs at "
+                             f"tensor_parallel_size 1 for now (got {tensor_parallel_size})")
 
 
 def check_scheme(name: str, scheme) -> None:

@@ -34,6 +34,11 @@ quantization, output activation or KV-cache quantization and transforms are refu
 model loads, naming the config group and its targets (:mod:`replica.quant.checkpoint`). Each
 packed layer's weights are checked against the package's own de-quantization (float32, equal),
 so a wrong unpacking fails the start, not the tokens.
+
+Under tensor parallelism each rank reads every quantized layer whole
+(:mod:`replica.quant.compressed_load`), checks it whole, and keeps its part: of the blocks, or
+where that part is not whole blocks (or a row-wise layer's columns are in GPTQ's activation
+order) of the weights the blocks stand for, dense. W8A8 runs at ``tensor_parallel_size`` 1.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import types
 
 import torch
 
-from replica.quant.blocks import BLOCK, BlockWeight, dequantize, use_blocks, with_zero_points
+from replica.quant.blocks import BLOCK, BlockWeight, dequantize, shard_blocks, use_blocks, with_zero_points
 from replica.quant.checkpoint import NAME
 
 logger = logging.getLogger(__name__)
@@ -57,53 +62,6 @@ def compressed_config(model: torch.nn.Module):
     return config if str(getattr(method, "value", method)) == NAME else None
 
 
-def load_what_transformers_drops(model: torch.nn.Module, path: str, mismatched, unexpected) -> None:
-    """Set from the files of the checkpoint at ``path`` (a folder) what transformers' loading
-    info (``mismatched_keys``: ``(name, checkpoint shape, model shape)``; ``unexpected_keys``)
-    says it left out:
-
-    * packed zero points of asymmetric ``pack-quantized`` layers: transformers 5.25 with
-      compressed-tensors 0.20.1 builds them at the unpacked shape ``[N, G]`` (the package's
-      compression of a model on ``meta`` leaves them unpacked), so the checkpoint's ``[N / 8, G]``
-      int32 ones mismatch (the model is loaded with ``ignore_mismatched_sizes``); set as stored,
-      as the package's own decompression reads them;
-    * ``input_order`` (int32 ``[K]``) of a GPTQ layer in activation order converted by
-      :mod:`replica.quant.gptq`: the input each of its columns takes, kept as
-      ``carpool_input_order`` (int64) for :func:`_to_blocks` and :func:`_to_dense`.
-
-    Other unexpected tensors are logged.
-
-    Raises:
-        ValueError: a tensor other than a zero point mismatched (the checkpoint does not fit the
-            model), naming it and both shapes.
-    """
-    from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
-    from safetensors import safe_open
-
-    names = []
-    for name, stored, built in mismatched:
-        if not name.endswith(".weight_zero_point"):
-            raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
-        names.append(name)
-    names += [name for name in unexpected if name.endswith(".input_order")]
-    others = sorted(name for name in unexpected if not name.endswith(".input_order"))
-    if others:
-        logger.warning("quantization %s: the checkpoint's %s are not the model's (left out)", NAME, ", ".join(others[:5]))
-    if not names:
-        return
-    files = get_checkpoint_files(path)
-    where = get_weight_map(files)
-    for shard in sorted({where[name] for name in names}):
-        with safe_open(files[shard], framework="pt") as file:
-            for name in (name for name in names if where[name] == shard):
-                module_name, part = name.rsplit(".", 1)
-                module = model.get_submodule(module_name)
-                if part == "input_order":
-                    module.carpool_input_order = file.get_tensor(name).long()
-                else:
-                    module.weight_zero_point = torch.nn.Parameter(file.get_tensor(name), requires_grad=False)
-
-
 def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Route each quantized linear layer of ``model`` (loaded by transformers from a compressed-tensors
     checkpoint, still compressed) through its block kernel, or de-quantize it where the kernels
@@ -112,25 +70,38 @@ def quantize_from_compressed(model: torch.nn.Module, dtype: torch.dtype) -> int:
     The checkpoint's config passed :func:`replica.quant.checkpoint.check_checkpoint` (the model
     runner checks it before loading): its schemes are ones Carpool computes.
 
+    Under tensor parallelism each layer holds its compressed tensors whole
+    (:func:`replica.quant.compressed_load.load_whole_compressed`) and its part (``carpool_tp_part``, set by
+    :func:`replica.worker.parallel.localize`): it is checked whole and keeps that part of its
+    blocks (:func:`~replica.quant.blocks.shard_blocks`; tinygemm: of its integers and scales), or,
+    where the part is not whole blocks (or groups) or a row-wise layer's columns are in GPTQ's
+    activation order, of the weights its blocks stand for, dense; a layer the kernels would not
+    compute exactly keeps its part of the package's de-quantization.
+
     Raises:
         ValueError: a quantized layer is not linear (an embedding its config group names in a way
             the check before loading does not match) or has a non-finite weight scale (each
-            message names the layer); a packed layer disagrees with the package's de-quantization.
+            message names the layer); a packed layer disagrees with the package's de-quantization;
+            under tensor parallelism, a layer of a style Carpool does not cut (packed rows).
     """
     layers = [(name, module) for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None]
     for name, module in layers:
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"quantization {NAME}: layer {name} is a {type(module).__name__}; only linear layers are served quantized")
+        if getattr(module, "carpool_tp_part", (0,))[0] is None:
+            raise ValueError(f"quantization {NAME}: layer {name}'s tensor-parallel style is neither column- nor row-wise; "
+                             "serve the checkpoint at tensor_parallel_size 1")
         _check_finite(name, module)
     count = 0
     cuda = any(module.weight_scale.device.type == "cuda" for _, module in layers)
     for name, module in layers:
-        if not (_to_tinygemm(module, dtype) if cuda else _to_blocks(name, module, dtype)):
+        if _to_tinygemm(module, dtype) if cuda else _to_blocks(name, module, dtype):
+            count += 1
+        elif hasattr(module, "quantization_scheme"):  # not de-quantized from its blocks already
             _to_dense(module)
-            continue
-        count += 1
+            _keep_part(module)
     _remove_decompress_hook(model)
-    logger.info("quantization %s: %d linear layers on %s, %d de-quantized by the package (not exact there)",
+    logger.info("quantization %s: %d linear layers on %s, %d de-quantized (not exact there, or this rank's part not whole blocks)",
                 NAME, count, "tinygemm (CUDA)" if cuda else "block kernels", len(layers) - count)
     return count
 
@@ -142,8 +113,15 @@ def _to_blocks(name: str, module: torch.nn.Linear, dtype: torch.dtype) -> bool:
     if blocks is None:
         return False
     _check_blocks(name, module, blocks, *integers)
+    part = getattr(module, "carpool_tp_part", None)
+    if part is not None:
+        ordered = getattr(module, "carpool_input_order", None) is not None
+        whole, blocks = blocks, None if ordered and part[0] == 1 else shard_blocks(blocks, *part)
+        if blocks is None:
+            _dense_part(module, whole, part, dtype)
+            return False
     activations = module.quantization_scheme.input_activations
-    _release_compressed(module, dtype)
+    _release_compressed(module, dtype, blocks.shape)
     use_blocks(module, blocks)
     if activations is not None:
         module.carpool_input_args = activations
@@ -164,9 +142,16 @@ def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
         return False
     q, scale, zero = _integers(module)
     group = q.shape[1] if scale.shape[-1] == 1 else weights.group_size
+    part = getattr(module, "carpool_tp_part", None)
+    if part is not None and zero is None:
+        cut = _integer_part(q, scale, part)
+        if cut is None:
+            return False
+        q, scale = cut
+        group = q.shape[1] if scale.shape[-1] == 1 else group
     if zero is not None or not fits(tuple(q.shape), group) or not torch.equal(scale.bfloat16().float(), scale.float()):
         return False
-    _release_compressed(module, dtype)
+    _release_compressed(module, dtype, tuple(q.shape))
     use_tinygemm(module, q, scale, group, dtype)
     return True
 
@@ -205,6 +190,46 @@ def _to_dense(module: torch.nn.Module) -> None:
     if inputs is not None:
         module.carpool_own_forward = True
         module.forward = types.MethodType(_w8a8_dense_forward, module)
+
+
+def _dense_part(module: torch.nn.Linear, blocks: BlockWeight, part: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """A layer whose rank's part (``part``: ``(dim, index, parts)``) is not whole blocks, or whose
+    columns are not its inputs' order (GPTQ's activation order, row-wise): that part of the
+    weights its whole ``blocks`` stand for (exact in float32, columns in the inputs' order),
+    dense in ``dtype``."""
+    weight = dequantize(blocks)
+    order = module.__dict__.pop("carpool_input_order", None)
+    if order is not None:
+        weight = weight[:, torch.argsort(order)]
+    _release_compressed(module, dtype, blocks.shape)
+    dim, index, parts = part
+    size = weight.shape[dim] // parts
+    module.weight = torch.nn.Parameter(weight.narrow(dim, index * size, size).to(dtype).contiguous(), requires_grad=False)
+
+
+def _keep_part(module: torch.nn.Linear) -> None:
+    """A de-quantized layer under tensor parallelism keeps its part of the weight
+    (``carpool_tp_part``: rows or inputs)."""
+    part = getattr(module, "carpool_tp_part", None)
+    if part is not None:
+        dim, index, parts = part
+        size = module.weight.shape[dim] // parts
+        module.weight = torch.nn.Parameter(module.weight.data.narrow(dim, index * size, size).contiguous(), requires_grad=False)
+
+
+def _integer_part(q: torch.Tensor, scale: torch.Tensor, part: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A rank's part (``(dim, index, parts)``) of symmetric integers ``q`` ``[N, K]`` and their
+    scales ``[N, G]``: rows, or inputs with their groups' scales (a per-channel scale whole);
+    None where the part splits a group."""
+    dim, index, parts = part
+    size = q.shape[dim] // parts
+    if dim == 0:
+        return q.narrow(0, index * size, size), scale.narrow(0, index * size, size)
+    group = q.shape[1] // scale.shape[1]
+    if scale.shape[1] > 1 and size % group:
+        return None
+    scale = scale if scale.shape[1] == 1 else scale[:, index * size // group : (index + 1) * size // group]
+    return q.narrow(1, index * size, size), scale
 
 
 def _integers(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -262,10 +287,10 @@ def _check_blocks(name: str, module: torch.nn.Linear, blocks: BlockWeight, q: to
         raise ValueError(f"quantization {NAME}: layer {name}'s blocks do not match the package's de-quantization")
 
 
-def _release_compressed(module: torch.nn.Linear, dtype: torch.dtype) -> None:
-    """Drop the layer's compressed tensors and the package's state; a placeholder ``weight`` of the
-    layer's shape (on ``meta``) and ``dtype`` stays for :func:`use_blocks` to release."""
-    shape = (module.out_features, module.in_features)
+def _release_compressed(module: torch.nn.Linear, dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Drop the layer's compressed tensors and the package's state; a placeholder ``weight`` of
+    ``shape`` (the weight it computes: this rank's part under tensor parallelism; on ``meta``) and
+    ``dtype`` stays for :func:`use_blocks` to release."""
     for key in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
                 "input_scale", "input_zero_point"):
         if key in module._parameters or key in module._buffers:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from replica.quant.blocks import dequantize, embed_from_blocks, use_blocks
+from replica.quant.blocks import dequantize, embed_from_blocks, shard_blocks, use_blocks
 from replica.quant.gguf_blocks import GGUF_BLOCK_TYPES, split_gguf_blocks
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,12 @@ _ROW_SAFE_PROCESSORS = ("llama",)
 def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
     """Route each linear layer of ``model`` stored as a type of ``GGUF_BLOCK_TYPES`` in ``gguf_file`` (and a
     tied output layer, from the input embedding's tensor) through its kernel; returns how many.
+
+    Under tensor parallelism each layer holds its rank's part (``carpool_tp_part``, set by
+    :func:`replica.worker.parallel.localize`: rows or inputs) and takes that part of the blocks
+    (:func:`~replica.quant.blocks.shard_blocks`), or stays as loaded where the part is not whole
+    blocks of 32 (the log counts those); a tied output layer's part comes from the embedding's
+    tensor, and the input embedding, whole on every rank, stays as loaded.
 
     Raises:
         ValueError: the file's architecture has a tensor processor that reshapes tensors (MoE
@@ -70,11 +76,13 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
             linears[gguf_name + ".weight"] = (name, module)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is embedding.weight
+    shared = head is not None and head.weight is embedding.weight
+    # Under tensor parallelism the tied head holds a shard of the rows and the embedding a whole copy.
+    tied = shared or (head is not None and bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)))
     if tied and "output.weight" not in tensors and "token_embd.weight" in tensors:
         linears = {k: v for k, v in linears.items() if v[1] is not head}
         linears["token_embd.weight"] = (next(n for n, m in model.named_modules() if m is head), head)
-    count = 0
+    count = dense = 0
     for tensor_name, (target, module) in linears.items():
         tensor = tensors.get(tensor_name)
         if tensor is None or tensor.tensor_type.name in DENSE_TYPES:
@@ -90,14 +98,20 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
         raw = processor.process(weights=tensor.data, name=tensor_name).weights
         weight = split_gguf_blocks(torch.from_numpy(raw.copy()), type_name)
         expected = module.weight.detach()
+        part = getattr(module, "carpool_tp_part", None)
+        weight = weight if part is None else shard_blocks(weight, *part) if part[0] is not None else None
+        if weight is None:
+            dense += 1
+            continue
         values = dequantize(weight)
         if not values.isfinite().all():
             raise ValueError(f"{gguf_file}: tensor {tensor_name} ({target}) holds non-finite weights (a NaN or infinite block scale)")
         if weight.shape != tuple(expected.shape) or not torch.equal(values.to(expected.dtype), expected):
             raise ValueError(f"{gguf_file}: tensor {tensor_name} does not match {target} as transformers loads it")
         use_blocks(module, weight)
-        if module is head and tied:
+        if module is head and shared:
             embed_from_blocks(embedding, head, expected.dtype)
         count += 1
-    logger.info("quantization gguf: %d linear layers computed from %s's blocks", count, Path(gguf_file).name)
+    logger.info("quantization gguf: %d linear layers computed from %s's blocks%s", count, Path(gguf_file).name,
+                f", {dense} left as loaded (this rank's part is not whole blocks)" if dense else "")
     return count

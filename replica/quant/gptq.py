@@ -22,7 +22,7 @@ group (stably: ``order = argsort(g_idx)``), so that its groups are runs of ``gro
 as compressed-tensors 0.20 stores them (it no longer computes a ``g_idx``): ``weight_packed``
 holds ``q[:, order]`` and Carpool's own tensor ``input_order`` (int32 ``[K]``) says which input
 each column takes; the package alone would de-quantize such a layer's columns in that order, so
-only Carpool's loader serves the copy (:func:`replica.quant.compressed.load_what_transformers_drops`).
+only Carpool's loader serves the copy (:func:`replica.quant.compressed_load.load_what_transformers_drops`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
 def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementation: str, tp_size: int = 1):
     """Load a causal LM from a local folder with ``attn_implementation``; eval mode, no grad. With
     ``tp_size`` > 1 (in a process group of that many ranks), sharded by transformers' own
-    tensor-parallel plan (:func:`replica.worker.parallel.load_sharded`).
+    tensor-parallel plan (:func:`replica.worker.parallel.sharded`).
 
     Returns the transformers ``PreTrainedModel``.
 
@@ -65,12 +65,7 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        if tp_size > 1:
-            from replica.worker.parallel import load_sharded
-
-            model = load_sharded(path, dtype=dtype, attn_implementation=attn_implementation, tp_size=tp_size)
-        else:
-            model = _from_pretrained(path, dtype, attn_implementation)
+        model = _from_pretrained(path, dtype, attn_implementation, tp_size)
     except KeyError as exc:
         if exc.args != (attn_implementation,):
             raise
@@ -87,13 +82,16 @@ def load_model(path: str, *, dtype: torch.dtype, device: str, attn_implementatio
 
 
 
-def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
-    """transformers' ``from_pretrained``. A compressed-tensors checkpoint missing a tensor the
-    model needs, or with one of another shape (but packed zero points), is refused (transformers
-    would initialize it at random, with a warning); what
-    transformers leaves out of one (an asymmetric ``pack-quantized`` checkpoint's zero points, a
-    converted GPTQ layer's input order) is read from its files after it
-    (:func:`replica.quant.compressed.load_what_transformers_drops`).
+def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str, tp_size: int = 1):
+    """transformers' ``from_pretrained`` (sharded over ``tp_size`` ranks where above 1). A
+    compressed-tensors checkpoint missing a tensor the model needs, or with one of another shape
+    (but packed zero points), is refused (transformers would initialize it at random, with a
+    warning); what transformers leaves out of one (an asymmetric ``pack-quantized`` checkpoint's
+    zero points, a converted GPTQ layer's input order) is read from its files after it
+    (:func:`replica.quant.compressed_load.load_what_transformers_drops`); sharded, every quantized
+    layer's compressed tensors are read whole from the files instead (transformers' plan cuts
+    packed integers and their shape as if they were weights), and each rank cuts its part of the
+    layer's blocks (:func:`replica.quant.compressed.quantize_from_compressed`).
 
     Raises:
         ValueError: a compressed-tensors checkpoint lacks tensors (the first five named) or has
@@ -104,9 +102,14 @@ def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
     from replica.config.model_files import checkpoint_config
     from replica.quant.checkpoint import NAME
 
+    extra = {}
+    if tp_size > 1:
+        from replica.worker.parallel import sharded
+
+        extra = sharded(tp_size)
     config = (checkpoint_config(path) or {}).get("quantization_config")
     if not (isinstance(config, dict) and config.get("quant_method") == NAME):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **extra)
     # Its load report would list each of those tensors (a filter, not a level: transformers runs
     # other checks where its logger's level is WARNING or above).
     report = logging.getLogger("transformers.modeling_utils")
@@ -115,14 +118,18 @@ def _from_pretrained(path: str, dtype: torch.dtype, attn_implementation: str):
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, ignore_mismatched_sizes=True, output_loading_info=True,
+            **extra,
         )
     finally:
         report.removeFilter(quiet)
     if info["missing_keys"]:
         raise ValueError(f"{path}: the checkpoint lacks {', '.join(sorted(info['missing_keys'])[:5])}")
-    from replica.quant.compressed import load_what_transformers_drops
+    from replica.quant.compressed_load import load_what_transformers_drops, load_whole_compressed
 
-    load_what_transformers_drops(model, path, info["mismatched_keys"], info["unexpected_keys"])
+    if tp_size > 1:
+        load_whole_compressed(model, path, info["mismatched_keys"])
+    else:
+        load_what_transformers_drops(model, path, info["mismatched_keys"], info["unexpected_keys"])
     return model
 
 
@@ -140,6 +147,7 @@ def quantize_linears(model: torch.nn.Module, dtype: torch.dtype, gguf_file: str 
     :func:`replica.quant.compressed.quantize_from_compressed`; with None, where the kernels do not
     run here, the package de-quantizes them at load instead), or quantized at load by ``scheme``
     (``int8`` or ``int4``: :func:`replica.quant.online.quantize_online`); 0 where there is none of these.
+    Under tensor parallelism each layer computes its rank's part (``carpool_tp_part``).
 
     ``scheme`` fits the model: :func:`replica.quant.checkpoint.check_checkpoint` said so before
     it loaded (the model runner checks it).

@@ -130,17 +130,13 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: torch.de
     return TPGroup(rank, world_size, dist.new_group(backend="gloo", timeout=MESSAGE_TIMEOUT))
 
 
-def load_sharded(path: str, *, dtype: torch.dtype, attn_implementation: str, tp_size: int):
-    """``from_pretrained`` with transformers' tensor-parallel plan over the current process group
-    (``tp_size`` ranks: the whole group). Returns the model; its sharded parameters are
+def sharded(tp_size: int) -> dict:
+    """``from_pretrained``'s arguments for transformers' tensor-parallel plan over the current
+    process group (``tp_size`` ranks: the whole group); the model's sharded parameters are
     ``DTensor``\\ s until :func:`localize`."""
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation,
-        distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp_size),
-    )
+    return {"distributed_config": DistributedConfig(tp_plan="auto", tp_size=tp_size)}
 
 
 def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
@@ -148,11 +144,18 @@ def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     input embedding, which stays replicated) and take the library's forward off each layer of the
     tensor-parallel plan. Returns ``(module, style)`` pairs for
     :func:`install_forwards`. Linear layers keep their global ``in_features``/``out_features``
-    (the library's forwards read them); their weights hold the local rows or columns."""
+    (the library's forwards read them); their weights hold the local rows or columns, and
+    ``carpool_tp_part`` says which: ``(dim, rank, world)``, ``dim`` 0 for a column-wise style
+    (this rank's ``1 / world`` of the rows), 1 for a row-wise one (of the inputs), None for
+    another (packed) style; a quantized layer loaded whole cuts its part by it
+    (:func:`replica.quant.blocks.shard_blocks`)."""
     from torch.distributed.tensor import DTensor
     from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
 
+    from transformers.integrations.tensor_parallel import ColwiseParallel, RowwiseParallel
+
     plan = model.tp_plan
+    rank, world = dist.get_rank(), dist.get_world_size()
     hooked = []
     for name, module in model.named_modules():
         style_name = plan.get(replace_layer_number_by_wildcard(name))
@@ -164,6 +167,10 @@ def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
             if isinstance(param, DTensor):
                 local = param.full_tensor() if whole else param.to_local()
                 module._parameters[param_name] = torch.nn.Parameter(local, requires_grad=False)
+        if not whole and isinstance(module, torch.nn.Linear):
+            style = ALL_PARALLEL_STYLES[style_name]
+            dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
+            module.carpool_tp_part = (dim, rank, world)  # what a quantized layer cuts from its whole weight
         if whole:
             module.__dict__.pop("forward", None)
         elif "forward" in module.__dict__:

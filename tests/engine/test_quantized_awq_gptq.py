@@ -156,7 +156,6 @@ def _with_config(folder: Path, target: Path, **changes) -> str:
 def test_what_is_not_served_is_refused_by_name(written, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from replica.config.engine_config import EngineConfig
     from replica.quant.checkpoint import check_checkpoint
 
     awq, gptq = str(written("awq")[0]), str(written("gptq-4-sym")[0])
@@ -173,10 +172,7 @@ def test_what_is_not_served_is_refused_by_name(written, tmp_path):
             check_checkpoint(path, None, 1)
     with pytest.raises(ValueError, match="the model is a gptq checkpoint: serve it with quantization gptq \\(or unset\\), not awq"):
         check_checkpoint(gptq, "awq", 1)
-    with pytest.raises(ValueError, match="awq checkpoints run at tensor_parallel_size 1 for now"):
-        check_checkpoint(awq, None, 2)
-    with pytest.raises(ValueError, match="quantization gptq runs at tensor_parallel_size 1"):
-        EngineConfig(quantization="gptq", tensor_parallel_size=2)
+    check_checkpoint(awq, None, 2)  # each rank its part (test_quantized_tensor_parallel.py)
     check_checkpoint(awq, "awq", 1)
     with pytest.raises(ValueError, match="quantization awq needs a checkpoint whose config.json has an awq quantization_config"):
         check_checkpoint(str(written("awq")[1]), "awq", 1)
