@@ -62,12 +62,12 @@ def rank_resources(config: ServeConfig) -> dict[str, float]:
 
 def check_tensor_parallel(config: ServeConfig) -> None:
     """Refuse, before deploying, a tensor-parallel replica that could never start: the model's heads
-    do not split over ``tensor_parallel_size``, or no node of the Ray cluster has the devices of
-    one replica (its bundles are packed on one node), which would leave it pending forever.
+    do not split over ``tensor_parallel_size``, or no node of the Ray cluster has what its ranks
+    reserve (:func:`rank_resources`: CPUs, and GPUs on CUDA; its bundles are packed on one node),
+    which would leave it pending forever.
 
     Raises:
-        ValueError: naming the head counts, or the devices one replica needs and the most any
-            node has.
+        ValueError: naming the head counts, or what one replica needs and the most any node has.
     """
     tp = config.engine.tensor_parallel_size
     if tp == 1:
@@ -77,14 +77,14 @@ def check_tensor_parallel(config: ServeConfig) -> None:
     from replica.config.model_files import check_tp_size, resolve_model_path
 
     check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
-    kind = "GPU" if config.engine.device.startswith("cuda") else "CPU"
-    each = rank_resources(config)[kind]
-    most = max((node["Resources"].get(kind, 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
-    if most < tp * each:
-        raise ValueError(
-            f"tensor_parallel_size {tp} needs {tp * each:g} {kind}s on one node for each replica; "
-            f"the largest node of the Ray cluster has {most:g}"
-        )
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    for kind, each in rank_resources(config).items():
+        most = max((node.get(kind, 0.0) for node in nodes), default=0.0)
+        if most + 1e-9 < round(tp * each, 4):
+            raise ValueError(
+                f"tensor_parallel_size {tp} needs {round(tp * each, 4):g} {kind}s on one node for each replica; "
+                f"the largest node of the Ray cluster has {most:g}"
+            )
 
 
 def check_replicas_fit(config: ServeConfig, replicas: int) -> None:

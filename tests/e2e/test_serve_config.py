@@ -136,3 +136,21 @@ def test_replicas_the_local_cluster_cannot_place_are_refused_before_deploying(ra
                        r"serve on CPU \(--device cpu\), or join a cluster"):
         check_replicas_fit(ServeConfig(engine={"device": "cuda"}), 1)
     check_replicas_fit(ServeConfig(address="ray://elsewhere:10001", engine={"device": "cuda"}), 8)  # may gain nodes: not checked
+
+
+def test_a_tensor_parallel_replica_no_node_can_hold_is_refused(ray_cluster):
+    """Its ranks' CPUs (and GPUs on CUDA) on one node of the real 2-CPU cluster, and its heads
+    (the default model's 9 query and 3 KV heads split over 3 ranks, not 2)."""
+    from cluster.config import ServeConfig
+    from cluster.preflight import check_tensor_parallel
+
+    check_tensor_parallel(ServeConfig(num_cpus_per_replica=0.666667, engine={"tensor_parallel_size": 3}))  # Ray counts 0.6666 each
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 needs 3 CPUs on one node for each replica; the largest node "
+                       r"of the Ray cluster has 2"):
+        check_tensor_parallel(ServeConfig(engine={"tensor_parallel_size": 3}))
+    with pytest.raises(ValueError, match=r"needs 3 GPUs on one node"):
+        check_tensor_parallel(ServeConfig(num_cpus_per_replica=0.5, engine={"tensor_parallel_size": 3, "device": "cuda"}))
+    with pytest.raises(ValueError, match=r"needs 3 CPUs on one node"):  # on CUDA each rank's CPUs count too
+        check_tensor_parallel(ServeConfig(engine={"tensor_parallel_size": 3, "device": "cuda"}))
+    with pytest.raises(ValueError, match=r"heads"):
+        check_tensor_parallel(ServeConfig(num_cpus_per_replica=0.5, engine={"tensor_parallel_size": 2}))
