@@ -12,7 +12,7 @@ multiply the two scales per block (exact in float32).
 * :func:`quantize_q8_0` and :func:`quantize_q4_1` make the blocks of a full-precision weight, as
   llama.cpp's reference quantizers do (``--quantization int8|int4``, :mod:`replica.quant.online`);
   :mod:`replica.quant.gguf_blocks` reads a GGUF file's tensors into blocks.
-* :func:`shard_blocks` cuts a tensor-parallel rank's part of a weight's blocks.
+* :func:`shard_blocks` cuts a tensor-parallel rank's part of a weight's blocks (:func:`part_bounds`).
 * :func:`pack_weight` lays a weight out for its kernel; :func:`dequantize` gives the weights it
   stands for (float32), the reference the kernels are tested against.
 * :func:`use_blocks` routes an ``nn.Linear`` through its kernel and releases its dense weight;
@@ -111,26 +111,42 @@ def with_zero_points(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        zeros.to(torch.uint8).repeat_interleave(blocks, dim=1), 0, 4, super_scales=supers, super_mins=supers)
 
 
+def part_bounds(size: int, index: int, parts: int) -> tuple[int, int]:
+    """``(start, length)`` of part ``index`` of ``parts`` along a dimension of ``size``, as
+    ``torch.distributed.tensor.Shard`` (and so transformers' tensor-parallel plan) splits it:
+    ``torch.chunk``'s parts of ``ceil(size / parts)``, the last ones shorter or empty.
+
+    Raises:
+        ValueError: ``index`` is not below ``parts``.
+    """
+    if not 0 <= index < parts:
+        raise ValueError(f"part {index} of {parts} is no part")
+    chunk = -(-size // parts)
+    start = min(index * chunk, size)
+    return start, min(chunk, size - start)
+
+
 def shard_blocks(weight: BlockWeight, dim: int, index: int, parts: int) -> BlockWeight | None:
-    """Part ``index`` of ``parts`` equal, contiguous parts of ``weight`` along ``dim`` (0: output rows,
-    as a column-wise tensor-parallel layer holds them; 1: inputs, as a row-wise one does), standing
-    for exactly those rows or columns of the weights; None where a part is not whole blocks of 32
-    (or ``N`` does not split). Rows are sliced as they are. Along K a part of ``K / parts`` inputs
-    takes its blocks' values, scales and minimums; a K-quant super-block (or a checkpoint's group)
-    that the cut splits has its fp16 scale and minimum repeated over smaller super-blocks (the
-    largest of 32 times a power of two that divide the part), the same weights with more scales.
+    """Part ``index`` of ``parts`` of ``weight`` along ``dim`` (0: output rows, as a column-wise
+    tensor-parallel layer holds them; 1: inputs, as a row-wise one does; the parts are
+    :func:`part_bounds`'), standing for exactly those rows or columns of the weights; None where
+    a part of the inputs does not start and end on whole blocks of 32, or is empty. Rows are
+    sliced as they are. Along K a part takes its blocks' values, scales and minimums; a K-quant
+    super-block (or a checkpoint's group) that the cut splits has its fp16 scale and minimum
+    repeated over smaller super-blocks (the largest of 32 times a power of two that divide the
+    part's start and length), the same weights with more scales.
 
     Raises:
         ValueError: ``dim`` is not 0 or 1, or ``index`` is not below ``parts``.
     """
-    if dim not in (0, 1) or not 0 <= index < parts:
-        raise ValueError(f"part {index} of {parts} along dim {dim} is no shard of a weight")
-    n, k = weight.shape
-    size = weight.shape[dim] // parts
-    if weight.shape[dim] % parts or (dim == 1 and size % BLOCK):
+    if dim not in (0, 1):
+        raise ValueError(f"dim {dim} is neither a weight's rows (0) nor its inputs (1)")
+    k = weight.shape[1]
+    start, length = part_bounds(weight.shape[dim], index, parts)
+    if length == 0 or (dim == 1 and (start % BLOCK or length % BLOCK)):
         return None
     if dim == 0:
-        rows = slice(index * size, (index + 1) * size)
+        rows = slice(start, start + length)
         cut = [t[rows] if t is not None else None for t in (weight.q, weight.scales, weight.mins, weight.super_scales, weight.super_mins)]
         return BlockWeight(cut[0], cut[1], cut[2], weight.offset, weight.bits, cut[3], cut[4])
 
@@ -139,13 +155,13 @@ def shard_blocks(weight: BlockWeight, dim: int, index: int, parts: int) -> Block
             return None
         width = k // values.shape[1]  # inputs per value: a block or sub-block (32 or 16: whole in a part), a super-block
         smaller = width
-        while size % smaller:  # a super-block the cut splits: 32 times a power of two, so this ends at 32 or above
+        while start % smaller or length % smaller:  # a split super-block: 32 times a power of two, so this ends at 32 or above
             smaller //= 2
         values = values.repeat_interleave(width // smaller, dim=1)
-        return values[:, index * size // smaller : (index + 1) * size // smaller]
+        return values[:, start // smaller : (start + length) // smaller]
 
     return BlockWeight(
-        weight.q[:, index * size : (index + 1) * size], columns(weight.scales), columns(weight.mins),
+        weight.q[:, start : start + length], columns(weight.scales), columns(weight.mins),
         weight.offset, weight.bits, columns(weight.super_scales), columns(weight.super_mins),
     )
 

@@ -48,7 +48,7 @@ import types
 
 import torch
 
-from replica.quant.blocks import BLOCK, BlockWeight, dequantize, shard_blocks, use_blocks, with_zero_points
+from replica.quant.blocks import BLOCK, BlockWeight, dequantize, part_bounds, shard_blocks, use_blocks, with_zero_points
 from replica.quant.checkpoint import NAME
 
 logger = logging.getLogger(__name__)
@@ -157,13 +157,14 @@ def _to_tinygemm(module: torch.nn.Linear, dtype: torch.dtype) -> bool:
 
 
 def decompress_all(model: torch.nn.Module) -> None:
-    """De-quantize every compressed layer of ``model`` now (:func:`_to_dense`), where no kernel
-    serves it (another dtype, a CPU without the kernels), and remove the package's first-forward
-    hook."""
+    """De-quantize every compressed layer of ``model`` now (:func:`_to_dense`; under tensor
+    parallelism each keeps its rank's part), where no kernel serves it (another dtype, a CPU
+    without the kernels), and remove the package's first-forward hook."""
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is not None:
             _check_finite(name, module)
             _to_dense(module)
+            _keep_part(module)
     _remove_decompress_hook(model)
 
 
@@ -203,8 +204,8 @@ def _dense_part(module: torch.nn.Linear, blocks: BlockWeight, part: tuple[int, i
         weight = weight[:, torch.argsort(order)]
     _release_compressed(module, dtype, blocks.shape)
     dim, index, parts = part
-    size = weight.shape[dim] // parts
-    module.weight = torch.nn.Parameter(weight.narrow(dim, index * size, size).to(dtype).contiguous(), requires_grad=False)
+    module.weight = torch.nn.Parameter(weight.narrow(dim, *part_bounds(weight.shape[dim], index, parts)).to(dtype).contiguous(),
+                                       requires_grad=False)
 
 
 def _keep_part(module: torch.nn.Linear) -> None:
@@ -213,8 +214,8 @@ def _keep_part(module: torch.nn.Linear) -> None:
     part = getattr(module, "carpool_tp_part", None)
     if part is not None:
         dim, index, parts = part
-        size = module.weight.shape[dim] // parts
-        module.weight = torch.nn.Parameter(module.weight.data.narrow(dim, index * size, size).contiguous(), requires_grad=False)
+        bounds = part_bounds(module.weight.shape[dim], index, parts)
+        module.weight = torch.nn.Parameter(module.weight.data.narrow(dim, *bounds).contiguous(), requires_grad=False)
 
 
 def _integer_part(q: torch.Tensor, scale: torch.Tensor, part: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -222,14 +223,14 @@ def _integer_part(q: torch.Tensor, scale: torch.Tensor, part: tuple[int, int, in
     scales ``[N, G]``: rows, or inputs with their groups' scales (a per-channel scale whole);
     None where the part splits a group."""
     dim, index, parts = part
-    size = q.shape[dim] // parts
+    start, length = part_bounds(q.shape[dim], index, parts)
     if dim == 0:
-        return q.narrow(0, index * size, size), scale.narrow(0, index * size, size)
+        return q.narrow(0, start, length), scale.narrow(0, start, length)
     group = q.shape[1] // scale.shape[1]
-    if scale.shape[1] > 1 and size % group:
+    if scale.shape[1] > 1 and (start % group or length % group):
         return None
-    scale = scale if scale.shape[1] == 1 else scale[:, index * size // group : (index + 1) * size // group]
-    return q.narrow(1, index * size, size), scale
+    scale = scale if scale.shape[1] == 1 else scale[:, start // group : (start + length) // group]
+    return q.narrow(1, start, length), scale
 
 
 def _integers(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

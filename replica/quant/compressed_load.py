@@ -60,25 +60,36 @@ def load_whole_compressed(model: torch.nn.Module, path: str, mismatched) -> None
     its part of the layer's blocks instead, :func:`replica.quant.compressed.quantize_from_compressed`); an input order is
     kept as ``carpool_input_order`` (int64).
 
+    Floating tensors (scales) take the dtype transformers gave them, as at one rank.
+
     Raises:
         ValueError: a tensor other than a quantized layer's mismatched (``mismatched``:
-            transformers' ``(name, checkpoint shape, model shape)``), naming it and both shapes.
+            transformers' ``(name, checkpoint shape, model shape)``), or a layer's weights as
+            stored (its ``weight_shape``, or its int8 ``weight``'s) or its scales' rows are not
+            the layer's ``[out_features, in_features]``, naming it and both shapes.
     """
     from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
 
-    layers = {name for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None}
+    layers = {name: module for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None}
     for name, stored, built in mismatched:
         if name.rsplit(".", 1)[0] not in layers:
             raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
     names = [name for name in get_weight_map(get_checkpoint_files(path))
              if name.rsplit(".", 1)[0] in layers and name.rsplit(".", 1)[1] in COMPRESSED_PARTS]
     _set_from_files(model, path, names)
+    for name, module in layers.items():
+        shape = tuple(module.weight_shape.tolist()) if hasattr(module, "weight_shape") else tuple(module.weight.shape)
+        wanted = (module.out_features, module.in_features)
+        if shape != wanted or module.weight_scale.shape[0] != wanted[0]:
+            raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {shape} (scales for {module.weight_scale.shape[0]} "
+                             f"rows), the model's {wanted}")
 
 
 def _set_from_files(model: torch.nn.Module, path: str, names: list[str]) -> None:
     """Set each tensor ``names`` names (``<layer>.<part>``) from the checkpoint's files at
     ``path`` on its layer, as stored: an ``input_order`` as ``carpool_input_order`` (int64), any
-    other part as a parameter of its name."""
+    other part as a parameter of its name (a floating one in the dtype of the parameter it
+    replaces, where transformers built one)."""
     from compressed_tensors.utils.safetensors_load import get_checkpoint_files, get_weight_map
     from safetensors import safe_open
 
@@ -91,7 +102,11 @@ def _set_from_files(model: torch.nn.Module, path: str, names: list[str]) -> None
             for name in (name for name in names if where[name] == shard):
                 module_name, part = name.rsplit(".", 1)
                 module = model.get_submodule(module_name)
+                tensor = file.get_tensor(name)
                 if part == "input_order":
-                    module.carpool_input_order = file.get_tensor(name).long()
-                else:
-                    setattr(module, part, torch.nn.Parameter(file.get_tensor(name), requires_grad=False))
+                    module.carpool_input_order = tensor.long()
+                    continue
+                built = getattr(module, part, None)
+                if built is not None and built.is_floating_point() and tensor.is_floating_point():
+                    tensor = tensor.to(built.dtype)  # scales: the dtype transformers loads them in
+                setattr(module, part, torch.nn.Parameter(tensor, requires_grad=False))

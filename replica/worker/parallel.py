@@ -146,13 +146,11 @@ def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
     :func:`install_forwards`. Linear layers keep their global ``in_features``/``out_features``
     (the library's forwards read them); their weights hold the local rows or columns, and
     ``carpool_tp_part`` says which: ``(dim, rank, world)``, ``dim`` 0 for a column-wise style
-    (this rank's ``1 / world`` of the rows), 1 for a row-wise one (of the inputs), None for
-    another (packed) style; a quantized layer loaded whole cuts its part by it
-    (:func:`replica.quant.blocks.shard_blocks`)."""
+    (this rank's part of the rows: :func:`replica.quant.blocks.part_bounds`), 1 for a row-wise
+    one (of the inputs), None for another style (packed, or heads replicated over ranks); a
+    quantized layer loaded whole cuts its part by it (:func:`replica.quant.blocks.shard_blocks`)."""
     from torch.distributed.tensor import DTensor
     from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, replace_layer_number_by_wildcard
-
-    from transformers.integrations.tensor_parallel import ColwiseParallel, RowwiseParallel
 
     plan = model.tp_plan
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -168,15 +166,30 @@ def localize(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
                 local = param.full_tensor() if whole else param.to_local()
                 module._parameters[param_name] = torch.nn.Parameter(local, requires_grad=False)
         if not whole and isinstance(module, torch.nn.Linear):
-            style = ALL_PARALLEL_STYLES[style_name]
-            dim = 0 if isinstance(style, ColwiseParallel) else 1 if isinstance(style, RowwiseParallel) else None
-            module.carpool_tp_part = (dim, rank, world)  # what a quantized layer cuts from its whole weight
+            module.carpool_tp_part = _part_of(module, ALL_PARALLEL_STYLES[style_name], rank, world)
         if whole:
             module.__dict__.pop("forward", None)
         elif "forward" in module.__dict__:
             del module.forward  # the library's wrapper; install_forwards puts it back
             hooked.append((module, ALL_PARALLEL_STYLES[style_name]))
     return hooked
+
+
+def _part_of(module: torch.nn.Linear, style, rank: int, world: int) -> tuple[int | None, int, int]:
+    """``(dim, rank, world)`` of a sharded linear layer (see :func:`localize`): ``dim`` 0 or 1 for
+    transformers' plain column- and row-wise styles, where the local weight (if the layer has a
+    dense one) is the part :func:`~replica.quant.blocks.part_bounds` gives; else None."""
+    from transformers.integrations.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    from replica.quant.blocks import part_bounds
+
+    dim = {ColwiseParallel: 0, RowwiseParallel: 1}.get(type(style))
+    weight = module._parameters.get("weight")
+    if dim is not None and weight is not None and weight.dim() == 2:
+        full = (module.out_features, module.in_features)[dim]
+        if weight.shape[dim] != part_bounds(full, rank, world)[1]:
+            dim = None
+    return dim, rank, world
 
 
 def install_forwards(hooked: list[tuple[torch.nn.Module, object]], device: torch.device, reducer=None) -> None:

@@ -83,7 +83,14 @@ def _warm_up_matmuls(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
 
 
 def _features(module: torch.nn.Linear) -> tuple[int, int]:
-    return getattr(module, "carpool_in_features", module.in_features), getattr(module, "carpool_out_features", module.out_features)
+    """``(in, out)`` of the weight the layer computes: a packed one's, else its weight's (under
+    tensor parallelism, this rank's shard; ``in_features`` stays the global count)."""
+    if hasattr(module, "carpool_in_features"):
+        return module.carpool_in_features, module.carpool_out_features
+    weight = module.weight
+    if weight.dim() == 2 and weight.numel():
+        return weight.shape[1], weight.shape[0]
+    return module.in_features, module.out_features
 
 
 def _on_carpool_kernel(module: torch.nn.Module) -> bool:

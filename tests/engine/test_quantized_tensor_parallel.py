@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from replica import LLM, SamplingParams
-from replica.quant.blocks import block_linear, dequantize, pack_weight, shard_blocks
+from replica.quant.blocks import block_linear, dequantize, pack_weight, part_bounds, shard_blocks
 from tests.engine.block_kernel_checks import FORMS, _weight
 from tests.engine.gguf_files import tiny_gguf
 from tests.engine.test_quantized_gguf import needs_bf16, needs_f32
@@ -23,29 +23,31 @@ from tests.helpers import assert_idle
 @needs_f32
 @pytest.mark.parametrize("form", FORMS)
 def test_a_rank_s_part_of_the_blocks_stands_for_its_rows_or_columns(form):
-    """Parts 2 and 3 along the rows and the inputs (K-quants: K = 768, so halves split super-blocks
-    of 256 and thirds do not; groups of 128 split in halves of 192) are the weights' slices,
-    and the kernel on each part computes them; a part that is not whole blocks is None."""
+    """Parts 2 and 3 along the rows (40: 20 each, or 14, 14 and 12 as torch's chunks) and the
+    inputs (K-quants: K = 768, so halves split super-blocks of 256 and thirds do not; groups of
+    128 split in halves of 192) are the weights' slices, and the kernel on each part computes
+    them; a part of the inputs that is not whole blocks is None."""
     torch.manual_seed(2)
     k = 768 if form.endswith("_K") else 384
     weight = _weight(form, k)
     full = dequantize(weight)
     x = torch.randn(5, k)
-    for dim, parts in ((0, 2), (1, 2), (1, 3)):
-        size = weight.shape[dim] // parts
+    for dim, parts in ((0, 2), (0, 3), (1, 2), (1, 3)):
         for index in range(parts):
             part = shard_blocks(weight, dim, index, parts)
-            cut = slice(index * size, (index + 1) * size)
+            start, length = part_bounds(weight.shape[dim], index, parts)
+            cut = slice(start, start + length)
             expected = full[cut] if dim == 0 else full[:, cut]
             assert torch.equal(dequantize(part), expected), (dim, parts, index)
             rows = x if dim == 0 else x[:, cut]
             got = block_linear(rows, pack_weight(part), None, part.shape[0], part.offset, part.bits)
             torch.testing.assert_close(got.double(), rows.double() @ expected.double().T, rtol=1e-5, atol=1e-4)
+    assert [shard_blocks(weight, 0, i, 3).shape[0] for i in range(3)] == [14, 14, 12]
     if form.endswith("_K"):  # halves of 384 inputs: super-blocks of 128, the scales repeated
         assert shard_blocks(weight, 1, 0, 2).super_scales.shape == (40, 3)
     assert shard_blocks(weight, 1, 0, 8 if k == 384 else 16) is None  # parts of 48 inputs: not whole blocks
-    assert shard_blocks(weight, 0, 0, 3) is None  # 40 rows do not split in 3
-    with pytest.raises(ValueError, match="no shard"):
+    assert shard_blocks(weight, 1, 0, 5) is None  # torch's chunks of ceil(K / 5): not whole blocks
+    with pytest.raises(ValueError, match="no part"):
         shard_blocks(weight, 1, 2, 2)
 
 
@@ -157,3 +159,63 @@ def test_2_ranks_compute_a_checkpoint_s_parts_with_transformers_tokens(name, ct_
         assert_idle(llm.engine)
     assert got == _greedy(reference, PROMPTS, 24)
 
+
+
+@needs_f32
+def test_3_ranks_cut_uneven_parts_as_transformers_does(smollm2_tokenizer, tmp_path):
+    """A model 96 wide (6 heads, 3 KV heads) with an MLP of 128 over 3 ranks: transformers gives
+    the MLP's ranks 43, 43 and 42 rows (or inputs); a W4A16 checkpoint's ranks take the same
+    parts (the up projections' rows on the kernels, the down projections' inputs, not whole
+    blocks, dense), and the greedy tokens are transformers' own on the checkpoint."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.engine.compressed_files import write_compressed
+    from tests.engine.conftest import TINY
+    from tests.engine.test_quantized_compressed import _transformers
+
+    torch.manual_seed(3)
+    config = LlamaConfig(**{**TINY, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "dense")
+    smollm2_tokenizer.save_pretrained(tmp_path / "dense")
+    path = str(write_compressed(tmp_path / "dense", tmp_path / "w4a16", "w4a16", scale_dtype=torch.float16))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(model=path, dtype="float32", compile=False, tensor_parallel_size=3, max_num_seqs=4, num_blocks=64) as llm:
+        runner = llm.engine.runner
+        up = runner.model.model.layers[0].mlp.up_proj
+        assert up.carpool_tp_part == (0, 0, 3) and up.carpool_out_features == 43  # rank 0's part
+        assert runner.num_quantized == 6 * 2  # all but the down projections
+        got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        assert_idle(llm.engine)
+    assert got == _greedy(_transformers(path), PROMPTS, 24)
+
+
+@needs_bf16
+def test_2_ranks_load_scales_in_the_model_s_dtype_and_check_shapes(ct_checkpoints, tmp_path):
+    """Each rank reads the layers whole from the files, its scales in the dtype transformers
+    loads them in (bf16 here, from float32: on the kernels at 2 ranks as at 1); where no kernel
+    runs (float16) each de-quantized layer keeps its rank's part; a checkpoint whose tensors are
+    not its config's shapes is refused, naming the layer."""
+    import json
+    import shutil
+
+    path = ct_checkpoints("w4a16", scale_dtype=torch.float32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    counts = []
+    for tp in (1, 2):
+        with LLM(model=path, dtype="bfloat16", compile=False, tensor_parallel_size=tp, max_num_seqs=4, num_blocks=64) as llm:
+            counts.append(llm.engine.runner.num_quantized)
+            assert len(llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)[1].outputs[0].token_ids) == 8
+            assert_idle(llm.engine)
+    assert counts == [14, 14]
+    # float16 (no kernel): the package de-quantizes each layer, and each rank keeps its part.
+    with LLM(model=ct_checkpoints("w4a16", scale_dtype=torch.float16), dtype="float16", compile=False, tensor_parallel_size=2,
+             max_num_seqs=4, num_blocks=64) as llm:
+        down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert llm.engine.runner.num_quantized == 0 and tuple(down.weight.shape) == (64, 64)  # half of 128 inputs
+        assert len(llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)[1].outputs[0].token_ids) == 8
+        assert_idle(llm.engine)
+    wrong = shutil.copytree(path, tmp_path / "wrong")
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(ValueError, match=r"the checkpoint's model\.layers\.\d\.mlp\.\w+_proj is \(\d+, \d+\) .*the model's"):
+        LLM(model=str(wrong), dtype="float32", compile=False, tensor_parallel_size=2, max_num_seqs=4, num_blocks=64)
