@@ -81,9 +81,11 @@ def check_tensor_parallel(config: ServeConfig) -> None:
     for kind, each in rank_resources(config).items():
         most = max((node.get(kind, 0.0) for node in nodes), default=0.0)
         if most + 1e-9 < round(tp * each, 4):
+            fix = ("; give each rank fewer cores (num_cpus_per_replica in a config file, e.g. "
+                   f"{math.floor(most / tp * 1e4) / 1e4:g}: the ranks then share them)") if kind == "CPU" and most > 0 else ""
             raise ValueError(
                 f"tensor_parallel_size {tp} needs {round(tp * each, 4):g} {kind}s on one node for each replica; "
-                f"the largest node of the Ray cluster has {most:g}"
+                f"the largest node of the Ray cluster has {most:g}{fix}"
             )
 
 

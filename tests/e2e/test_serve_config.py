@@ -146,7 +146,7 @@ def test_a_tensor_parallel_replica_no_node_can_hold_is_refused(ray_cluster):
 
     check_tensor_parallel(ServeConfig(num_cpus_per_replica=0.666667, engine={"tensor_parallel_size": 3}))  # Ray counts 0.6666 each
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 needs 3 CPUs on one node for each replica; the largest node "
-                       r"of the Ray cluster has 2"):
+                       r"of the Ray cluster has 2; give each rank fewer cores \(num_cpus_per_replica in a config file, e\.g\. 0\.6666"):
         check_tensor_parallel(ServeConfig(engine={"tensor_parallel_size": 3}))
     with pytest.raises(ValueError, match=r"needs 3 GPUs on one node"):
         check_tensor_parallel(ServeConfig(num_cpus_per_replica=0.5, engine={"tensor_parallel_size": 3, "device": "cuda"}))
