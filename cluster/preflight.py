@@ -52,11 +52,15 @@ def listen_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _as_ray_counts(amount: float) -> float:
+    """``amount`` of a resource as Ray counts it: cut to 4 decimals."""
+    return math.floor(amount * 1e4) / 1e4
+
+
 def rank_resources(config: ServeConfig) -> dict[str, float]:
     """What each rank of a replica reserves (``cluster.app.replica_deployment_options``), as Ray
-    counts it (it cuts resource amounts to 4 decimals): ``num_cpus_per_replica`` CPUs and, on
-    CUDA, one GPU."""
-    cpus = math.floor(config.num_cpus_per_replica * 1e4) / 1e4
+    counts it (:func:`_as_ray_counts`): ``num_cpus_per_replica`` CPUs and, on CUDA, one GPU."""
+    cpus = _as_ray_counts(config.num_cpus_per_replica)
     return {"CPU": cpus, "GPU": 1.0} if config.engine.device.startswith("cuda") else {"CPU": cpus}
 
 
@@ -79,12 +83,12 @@ def check_tensor_parallel(config: ServeConfig) -> None:
     check_tp_size(resolve_model_path(config.engine.model, weights=False), tp)
     nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
     for kind, each in rank_resources(config).items():
-        most = max((node.get(kind, 0.0) for node in nodes), default=0.0)
-        if most + 1e-9 < round(tp * each, 4):
+        most, need = max((node.get(kind, 0.0) for node in nodes), default=0.0), round(tp * each, 4)
+        if most + 1e-9 < need:
             fix = ("; give each rank fewer cores (num_cpus_per_replica in a config file, e.g. "
-                   f"{math.floor(most / tp * 1e4) / 1e4:g}: the ranks then share them)") if kind == "CPU" and most > 0 else ""
+                   f"{_as_ray_counts(most / tp):g}: the ranks then share them)") if kind == "CPU" and most > 0 else ""
             raise ValueError(
-                f"tensor_parallel_size {tp} needs {round(tp * each, 4):g} {kind}s on one node for each replica; "
+                f"tensor_parallel_size {tp} needs {need:g} {kind}s on one node for each replica; "
                 f"the largest node of the Ray cluster has {most:g}{fix}"
             )
 

@@ -286,6 +286,17 @@ def use_blocks(module: torch.nn.Linear, weight: BlockWeight) -> None:
     module.weight = torch.nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 
 
+def tied_output(model: torch.nn.Module) -> tuple[bool, bool]:
+    """``(shared, tied)`` for ``model``'s output layer: ``shared`` where it is the input
+    embedding's very weight; ``tied`` where it is that, or where the config ties them (under
+    tensor parallelism the head holds a shard of the rows and the embedding a whole copy)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    shared = head is not None and embedding is not None and head.weight is embedding.weight
+    config = getattr(model, "config", None)
+    return shared, shared or (head is not None and config is not None
+                              and bool(getattr(config.get_text_config(), "tie_word_embeddings", False)))
+
+
 def embed_from_blocks(embedding: torch.nn.Module, head: torch.nn.Linear, dtype: torch.dtype) -> bool:
     """Have a plain ``nn.Embedding`` tied to ``head`` read its rows from the head's 8-bit blocks
     (:func:`_embed_from_blocks`) and release its dense weight; False (nothing changed) where the

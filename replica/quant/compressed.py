@@ -118,7 +118,7 @@ def _to_blocks(name: str, module: torch.nn.Linear, dtype: torch.dtype) -> bool:
         ordered = getattr(module, "carpool_input_order", None) is not None
         whole, blocks = blocks, None if ordered and part[0] == 1 else shard_blocks(blocks, *part)
         if blocks is None:
-            _dense_part(module, whole, part, dtype)
+            _dense_part(module, whole, dtype)
             return False
     activations = module.quantization_scheme.input_activations
     _release_compressed(module, dtype, blocks.shape)
@@ -193,19 +193,17 @@ def _to_dense(module: torch.nn.Module) -> None:
         module.forward = types.MethodType(_w8a8_dense_forward, module)
 
 
-def _dense_part(module: torch.nn.Linear, blocks: BlockWeight, part: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """A layer whose rank's part (``part``: ``(dim, index, parts)``) is not whole blocks, or whose
-    columns are not its inputs' order (GPTQ's activation order, row-wise): that part of the
-    weights its whole ``blocks`` stand for (exact in float32, columns in the inputs' order),
-    dense in ``dtype``."""
+def _dense_part(module: torch.nn.Linear, blocks: BlockWeight, dtype: torch.dtype) -> None:
+    """A layer whose rank's part is not whole blocks, or whose columns are not its inputs' order
+    (GPTQ's activation order, row-wise): its part (:func:`_keep_part`) of the weights its whole
+    ``blocks`` stand for (exact in float32, columns in the inputs' order), dense in ``dtype``."""
     weight = dequantize(blocks)
     order = module.__dict__.pop("carpool_input_order", None)
     if order is not None:
         weight = weight[:, torch.argsort(order)]
     _release_compressed(module, dtype, blocks.shape)
-    dim, index, parts = part
-    module.weight = torch.nn.Parameter(weight.narrow(dim, *part_bounds(weight.shape[dim], index, parts)).to(dtype).contiguous(),
-                                       requires_grad=False)
+    module.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+    _keep_part(module)
 
 
 def _keep_part(module: torch.nn.Linear) -> None:

@@ -39,7 +39,7 @@ def load_what_transformers_drops(model: torch.nn.Module, path: str, mismatched, 
     names = []
     for name, stored, built in mismatched:
         if not name.endswith(".weight_zero_point"):
-            raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
+            raise _mismatch(name, stored, built)
         names.append(name)
     names += [name for name in unexpected if name.endswith(".input_order")]
     others = sorted(name for name in unexpected if not name.endswith(".input_order"))
@@ -73,7 +73,7 @@ def load_whole_compressed(model: torch.nn.Module, path: str, mismatched) -> None
     layers = {name: module for name, module in model.named_modules() if getattr(module, "quantization_scheme", None) is not None}
     for name, stored, built in mismatched:
         if name.rsplit(".", 1)[0] not in layers:
-            raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
+            raise _mismatch(name, stored, built)
     names = [name for name in get_weight_map(get_checkpoint_files(path))
              if name.rsplit(".", 1)[0] in layers and name.rsplit(".", 1)[1] in COMPRESSED_PARTS]
     _set_from_files(model, path, names)
@@ -83,6 +83,11 @@ def load_whole_compressed(model: torch.nn.Module, path: str, mismatched) -> None
         if shape != wanted or module.weight_scale.shape[0] != wanted[0]:
             raise ValueError(f"quantization {NAME}: the checkpoint's {name} is {shape} (scales for {module.weight_scale.shape[0]} "
                              f"rows), the model's {wanted}")
+
+
+def _mismatch(name: str, stored, built) -> ValueError:
+    """The refusal of a checkpoint tensor ``name`` of shape ``stored`` where the model has ``built``."""
+    return ValueError(f"quantization {NAME}: the checkpoint's {name} is {tuple(stored)}, the model's {tuple(built)}")
 
 
 def _set_from_files(model: torch.nn.Module, path: str, names: list[str]) -> None:

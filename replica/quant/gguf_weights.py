@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from replica.quant.blocks import dequantize, embed_from_blocks, shard_blocks, use_blocks
+from replica.quant.blocks import dequantize, embed_from_blocks, shard_blocks, tied_output, use_blocks
 from replica.quant.gguf_blocks import GGUF_BLOCK_TYPES, split_gguf_blocks
 
 logger = logging.getLogger(__name__)
@@ -76,9 +76,7 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_file: str | Path) -> int:
             linears[gguf_name + ".weight"] = (name, module)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    shared = head is not None and head.weight is embedding.weight
-    # Under tensor parallelism the tied head holds a shard of the rows and the embedding a whole copy.
-    tied = shared or (head is not None and bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False)))
+    shared, tied = tied_output(model)
     if tied and "output.weight" not in tensors and "token_embd.weight" in tensors:
         linears = {k: v for k, v in linears.items() if v[1] is not head}
         linears["token_embd.weight"] = (next(n for n, m in model.named_modules() if m is head), head)

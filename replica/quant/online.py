@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from replica.quant.blocks import BLOCK, dequantize, embed_from_blocks, quantize_q4_1, quantize_q8_0, use_blocks
+from replica.quant.blocks import BLOCK, dequantize, embed_from_blocks, quantize_q4_1, quantize_q8_0, tied_output, use_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ def quantize_online(model: torch.nn.Module, scheme: str) -> int:
         raise ValueError(f"online quantization is {' or '.join(SCHEMES)}, not {scheme!r}")
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     dtype = next(model.parameters()).dtype
-    shared = head is not None and embedding is not None and head.weight is embedding.weight
-    # Under tensor parallelism the tied head holds a shard and the embedding a whole copy.
-    config = getattr(model, "config", None)
-    tied = shared or (head is not None and config is not None and bool(getattr(config.get_text_config(), "tie_word_embeddings", False)))
+    shared, tied = tied_output(model)
     count = skipped = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
